@@ -4,6 +4,7 @@
 # pathological 2 classes per client (75/25 per-client train/test), ROUNDS rounds, 1 local epoch,
 # batch 32, SGD lr 0.01, K = 512. Prints each method's final and best client test accuracy.
 # Usage: benchmarks/fedorgp_hmg3_offline.sh [ROUNDS] [DATASET]   (defaults: 5 digits)
+#        METHODS="fedorgp fedgen" benchmarks/fedorgp_hmg3_offline.sh ...   (a subset)
 set -euo pipefail
 ROUNDS=${1:-5}
 DATASET=${2:-digits}
@@ -11,7 +12,8 @@ PY=${PYTHON:-python}
 OUT=${OUT:-runs/bench_fedorgp_hmg3}
 mkdir -p "$OUT"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-for m in fedorgp fedorgp_wo_or fedproto fedtgp lgfedavg fedgh fml fedkd; do
+METHODS=${METHODS:-fedorgp fedorgp_wo_or fedproto fedtgp lgfedavg fedgh fml fedkd fedgen}
+for m in $METHODS; do
   "$PY" -m fl_lightning.cli fit --config "configs/fedorgp/${m}_cifar10_pathological.yaml" \
     --config configs/fedorgp/demo_mnist5k_hmg3.yaml \
     --data.dataset "$DATASET" --trainer.max_epochs "$ROUNDS" --trainer.logger false \

@@ -8,6 +8,7 @@ from fl_lightning.methods.feddyn import FedDyn
 from fl_lightning.methods.fedetf import FedETF
 from fl_lightning.methods.fedexp import FedExP
 from fl_lightning.methods.fedgela import FedGELA
+from fl_lightning.methods.fedgen import FedGen
 from fl_lightning.methods.fednova import FedNova
 from fl_lightning.methods.fedntd import FedNTD
 from fl_lightning.methods.fedprox import FedProx
@@ -31,5 +32,5 @@ __all__ = [
     # frozen classifiers (FedDr+ paper)
     "FedBABU", "DotRegression", "FedDrPlus", "FedETF", "FedGELA", "SphereFed",
     # model-heterogeneous (FedORGP paper)
-    "HeteroMethod", "FedORGP", "FedProto", "FedTGP", "LGFedAvg", "FedGH", "FML", "FedKD",
+    "HeteroMethod", "FedORGP", "FedProto", "FedTGP", "LGFedAvg", "FedGH", "FML", "FedKD", "FedGen",
 ]

@@ -191,6 +191,10 @@ class HeteroMethod(FederatedMethod):
         dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
         return int(dm.hparams.seed) if dm is not None else 0
 
+    def server_seed(self) -> int:
+        """Seeds the server's random draws of this round (shuffles, generator samples)."""
+        return self.run_seed() * 1_000_003 + self.round_idx
+
     def receive(self, client: int) -> None:
         """Hook: load what the server sends into the installed client (shared model, W_h, ...)."""
 

@@ -224,9 +224,6 @@ class PrototypeMethod(HeteroMethod):
             batch_size=1,
         )
 
-    def server_seed(self) -> int:
-        return self.run_seed() * 1_000_003 + self.round_idx
-
     # evaluation
     def predict_logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.hparams.predict == "head" or not bool(self.has_proto.any()):

@@ -20,6 +20,8 @@ from fl_lightning.federation import ClientUpload, weighted_average
 from fl_lightning.methods.hetero_base import HeteroMethod
 from fl_lightning.methods.prototypes import class_prototypes, prototype_upload, train_on_pairs, uploaded_pairs
 
+HEAD_PREFIX = "head."
+
 
 class SharedHeadMethod(HeteroMethod):
     """Holds the global head and sends it to every client."""
@@ -46,11 +48,12 @@ class LGFedAvg(SharedHeadMethod):
         self.save_hyperparameters()
 
     def upload(self) -> dict[str, torch.Tensor]:
-        return {f"head.{k}": v.detach().clone() for k, v in self.model.head.state_dict().items()}
+        return {f"{HEAD_PREFIX}{k}": v.detach().clone() for k, v in self.model.head.state_dict().items()}
 
     def aggregate(self, uploads: list[ClientUpload]) -> None:
-        avg = weighted_average([u.tensors for u in uploads], [u.num_samples for u in uploads])
-        self.global_head.load_state_dict({k.removeprefix("head."): v for k, v in avg.items()})
+        heads = [{k: v for k, v in u.tensors.items() if k.startswith(HEAD_PREFIX)} for u in uploads]
+        avg = weighted_average(heads, [u.num_samples for u in uploads])
+        self.global_head.load_state_dict({k.removeprefix(HEAD_PREFIX): v for k, v in avg.items()})
         self.broadcast_head()
 
 
@@ -85,7 +88,7 @@ class FedGH(SharedHeadMethod):
             h.server_epochs,
             h.server_lr,
             h.server_batch_size,
-            self.run_seed() * 1_000_003 + self.round_idx,
+            self.server_seed(),
         )
         self.log("server/loss", loss, on_step=False, on_epoch=True, batch_size=1)
         self.broadcast_head()
