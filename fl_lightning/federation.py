@@ -68,14 +68,26 @@ class FederatedCallback(L.Callback):
         local_eval_samples: size of that subset (0 = the whole test set).
         on_divergence: "stop" ends the run with one line naming round, client and method;
             "skip_client" drops that client's upload and continues.
+        collapse_rounds: the papers' "Failed" (divergence to chance accuracy with finite weights):
+            after the global test accuracy has once exceeded the constant-predictor accuracy
+            (the majority class's share of the test set) by 0.1, it falls to within 0.01 of it for
+            this many consecutive rounds. 0 switches the check off.
+        on_collapse: "mark" prints one line and marks the W&B summary (`failed`, `failed_at`) and
+            trains on; "stop" also ends the run (exit code 3).
     """
 
     def __init__(self, eval_local_models: bool = True, local_eval_samples: int = 1000,
-                 on_divergence: Literal["stop", "skip_client"] = "stop"):
+                 on_divergence: Literal["stop", "skip_client"] = "stop", collapse_rounds: int = 5,
+                 on_collapse: Literal["mark", "stop"] = "mark"):
         super().__init__()
+        if collapse_rounds < 0:
+            raise FLUserError(f"federation.collapse_rounds must be >= 0 (0 = off), got {collapse_rounds}")
         self.eval_local_models = eval_local_models
         self.local_eval_samples = local_eval_samples
         self.on_divergence = on_divergence
+        self.collapse_rounds, self.on_collapse = collapse_rounds, on_collapse
+        self._collapse = {"best_acc": -1.0, "rounds_at_chance": 0, "failed_at": ""}
+        self._chance_acc: float | None = None
         self._plan = None
         self._starts: dict[int, Any] = {}
         self._ends: dict[int, Any] = {}
@@ -178,3 +190,39 @@ class FederatedCallback(L.Callback):
         if acc is not None and loss is not None and not math.isnan(float(loss)):
             rank_zero_info(f"round {trainer.current_epoch + 1}/{trainer.max_epochs}: "
                            f"global test acc {float(acc):.4f}, loss {float(loss):.4f}")
+        if acc is not None and self.collapse_rounds and trainer.state.fn == "fit":
+            self._check_collapse(trainer, pl_module, float(acc))
+
+    # ---- "Failed": collapse to chance accuracy -----------------------------------------------
+    def chance_accuracy(self, trainer) -> float:
+        """The accuracy of always predicting the global test set's most frequent class."""
+        if self._chance_acc is None:
+            labels = torch.as_tensor(trainer.datamodule.test_set.labels)
+            self._chance_acc = float(torch.bincount(labels).max()) / max(len(labels), 1)
+        return self._chance_acc
+
+    def _check_collapse(self, trainer, pl_module, acc: float) -> None:
+        state, chance = self._collapse, self.chance_accuracy(trainer)
+        state["best_acc"] = max(state["best_acc"], acc)
+        learned = state["best_acc"] >= chance + 0.1
+        state["rounds_at_chance"] = state["rounds_at_chance"] + 1 if learned and acc <= chance + 0.01 else 0
+        if state["rounds_at_chance"] < self.collapse_rounds or state["failed_at"]:
+            return
+        where = f"round {trainer.current_epoch + 1}/{trainer.max_epochs}, method {type(pl_module).__name__}"
+        state["failed_at"] = where
+        summary = getattr(getattr(trainer.logger, "experiment", None), "summary", None)
+        if summary is not None:  # W&B: dashboards can filter the runs a paper table calls "Failed"
+            summary["failed"] = True
+            summary["failed_at"] = where
+        message = (f"failed: global test accuracy has been at chance level (<= {chance:.3f} + 0.01, the "
+                   f"majority class's share) for {self.collapse_rounds} rounds after reaching "
+                   f"{state['best_acc']:.3f}, at {where}")
+        if self.on_collapse == "stop":
+            raise FLDivergedError(message + "; lower the lr or set --federation.on_collapse mark")
+        rank_zero_info(message + "; training continues (--federation.on_collapse stop ends such runs)")
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self._collapse)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._collapse.update(state_dict)

@@ -62,10 +62,11 @@ def fixed_parts_module(x, y, parts, num_classes=None, **kw) -> FederatedDataModu
 
 
 def fit(method, datamodule, rounds: int = 1, callbacks=(), eval_local_models=False, ckpt_path=None,
-        on_divergence="stop", **trainer_kw) -> L.Trainer:
+        on_divergence="stop", federation_kw=None, **trainer_kw) -> L.Trainer:
     """A short federated fit on CPU; pass a ModelCheckpoint in `callbacks` (checkpointing is then
-    switched on) and `ckpt_path` to resume."""
-    federation = FederatedCallback(eval_local_models=eval_local_models, on_divergence=on_divergence)
+    switched on) and `ckpt_path` to resume; `federation_kw` goes to the FederatedCallback."""
+    federation = FederatedCallback(eval_local_models=eval_local_models, on_divergence=on_divergence,
+                                   **(federation_kw or {}))
     kw = dict(
         max_epochs=rounds, reload_dataloaders_every_n_epochs=1, num_sanity_val_steps=0, logger=False,
         enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),

@@ -138,3 +138,58 @@ def test_nonfinite_aggregate_stops_the_run():
     with pytest.raises(FLDivergedError, match=r"non-finite global model after aggregation at round 1/2, "
                                               r"method OverflowingFedAvg"):
         fit(OverflowingFedAvg(model="mlp", data_spec=dm.spec), dm, rounds=2)
+
+
+class CollapsingFedAvg(FedAvg):
+    """FedAvg whose global model is zeroed from round 3 on: finite weights, one constant prediction."""
+
+    from_round = 2  # 0-based
+
+    def aggregate(self, uploads):
+        super().aggregate(uploads)
+        if self.trainer.current_epoch >= self.from_round:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.zero_()
+
+
+def learnable_clients():
+    x, y = toy_data(n=60, size=4, num_classes=3)
+    x = 0.3 * x
+    x[torch.arange(60), 0, 0, y] += 3.0  # the class is written into the first pixels
+    return one_client_module(x, y, num_clients=2, batch_size=10, local_epochs=2)
+
+
+def test_collapse_to_chance_accuracy_is_reported_as_failed(caplog):
+    torch.manual_seed(0)
+    dm = learnable_clients()
+    method = CollapsingFedAvg(model="mlp", data_spec=dm.spec, lr=0.1)
+    with caplog.at_level(logging.INFO):
+        trainer = fit(method, dm, rounds=6, federation_kw=dict(collapse_rounds=3))
+    federation = trainer.callbacks[0]
+    # rounds 1-2 learn, rounds 3-5 sit at the majority share (1/3): failed at round 5, not before
+    assert federation.state_dict()["best_acc"] >= 1 / 3 + 0.1
+    assert federation.state_dict()["failed_at"] == "round 5/6, method CollapsingFedAvg"
+    failed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("failed:")]
+    assert len(failed) == 1 and "for 3 rounds" in failed[0]
+
+
+def test_collapse_can_stop_the_run_and_is_off_at_zero():
+    torch.manual_seed(0)
+    dm = learnable_clients()
+    method = CollapsingFedAvg(model="mlp", data_spec=dm.spec, lr=0.1)
+    with pytest.raises(FLDivergedError, match=r"^failed: .* at round 4/6, method CollapsingFedAvg"):
+        fit(method, dm, rounds=6, federation_kw=dict(collapse_rounds=2, on_collapse="stop"))
+    dm = learnable_clients()
+    trainer = fit(CollapsingFedAvg(model="mlp", data_spec=dm.spec, lr=0.1), dm, rounds=6,
+                  federation_kw=dict(collapse_rounds=0))
+    assert trainer.callbacks[0].state_dict()["failed_at"] == ""
+
+
+def test_a_slow_start_at_chance_is_not_a_failure():
+    torch.manual_seed(0)
+    dm = learnable_clients()
+    method = CollapsingFedAvg(model="mlp", data_spec=dm.spec, lr=0.1)
+    method.from_round = 0  # at chance from the first round on: never learned, so never "failed"
+    trainer = fit(method, dm, rounds=4, federation_kw=dict(collapse_rounds=2))
+    assert trainer.callbacks[0].state_dict()["failed_at"] == ""
