@@ -193,3 +193,19 @@ def test_a_slow_start_at_chance_is_not_a_failure():
     method.from_round = 0  # at chance from the first round on: never learned, so never "failed"
     trainer = fit(method, dm, rounds=4, federation_kw=dict(collapse_rounds=2))
     assert trainer.callbacks[0].state_dict()["failed_at"] == ""
+
+
+def test_collapse_state_is_in_the_checkpoint_and_comes_back(tmp_path):
+    torch.manual_seed(0)
+    dm = learnable_clients()
+    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0, every_n_epochs=1)
+    first = fit(CollapsingFedAvg(model="mlp", data_spec=dm.spec, lr=0.1), dm, rounds=4, callbacks=[ckpt],
+                federation_kw=dict(collapse_rounds=3))
+    saved = first.callbacks[0].state_dict()
+    assert saved["rounds_at_chance"] == 2 and saved["failed_at"] == ""
+    dm = learnable_clients()
+    resumed = fit(CollapsingFedAvg(model="mlp", data_spec=dm.spec, lr=0.1), dm, rounds=5,
+                  ckpt_path=str(tmp_path / "last.ckpt"), federation_kw=dict(collapse_rounds=3),
+                  callbacks=[ModelCheckpoint(dirpath=tmp_path / "again", save_last=True, save_top_k=0)])
+    # the third round at chance is the resumed run's first: counted on top of the restored two
+    assert resumed.callbacks[0].state_dict()["failed_at"] == "round 5/5, method CollapsingFedAvg"
