@@ -1,6 +1,8 @@
 """Personalised evaluation: fine-tune a copy of the global model on every client, test it on that
 client's own test set, report mean and std over clients (FedAvg-FT, FedSOL-FT, FedBABU-FT,
 FedDr+FT), and the local-only baseline (each client trains alone from the initial model).
+Methods that keep their own personalised models (FedPer, FedRep, Ditto, Per-FedAvg, kNN-Per:
+`FederatedMethod.personal_model`) are also tested as they are (`personal/own_acc_*`).
 
 Every fine-tuning runs on a deep copy with its own optimizer, so the global model, the trainer's
 optimizer and lr schedule and the next round are untouched. Per-client test sets come from the data
@@ -103,6 +105,9 @@ class PersonalizationCallback(L.Callback):
         for client in self.clients(dm):
             test = dm.client_loader(client, "test")
             per["global"].append(self.accuracy(global_model, test, pl_module.device))
+            own = pl_module.personal_model(client)
+            if own is not None:  # the method's own personalised model (1-step pFL)
+                per.setdefault("own", []).append(self.accuracy(own, test, pl_module.device))
             accs = self.train_and_test(pl_module, global_model.state_dict(), dm, client, test, self.epochs)
             for e, acc in zip(self.epochs, accs, strict=True):
                 per[f"ft{e}"].append(acc)

@@ -137,3 +137,32 @@ def test_finetune_all_trains_the_frozen_head_only_when_asked():
         ft_head = captured["heads"][1]  # calls: global on client test, fine-tuned, global on test set
         assert torch.equal(ft_head, head) == (mode == "trainable")
     assert torch.equal(method.model.head.weight, head)
+
+
+class _ConstantPrediction(torch.nn.Module):
+    def __init__(self, cls, num_classes):
+        super().__init__()
+        self.cls, self.num_classes = cls, num_classes
+
+    def forward(self, x):
+        return torch.nn.functional.one_hot(torch.full((len(x),), self.cls), self.num_classes).float()
+
+
+class _OwnModels(FedAvg):
+    """Client k's own personalised model always predicts class k."""
+
+    def personal_model(self, client):
+        return _ConstantPrediction(client, self.hparams.data_spec.num_classes)
+
+
+def test_a_methods_own_personal_models_are_tested_on_each_clients_test_set():
+    dm = _shard_module()
+    method = _OwnModels(model="mlp", data_spec=dm.spec)
+    pers = PersonalizationCallback(enabled=True, epochs=[1])
+    fit(method, dm, rounds=1, callbacks=[pers])
+    dm.setup()
+    expected = [float((dm.test_set.labels[dm.client_test_parts[c]] == c).mean()) for c in range(4)]
+    assert len(set(expected)) > 1  # clients differ: a per-client evaluation, not one shared number
+    assert pers.per_client["own"] == pytest.approx(expected)
+    assert pers.results["personal/own_acc_mean"] == pytest.approx(np.mean(expected))
+    assert "personal/own_acc_mean" not in PersonalizationCallback(enabled=True).results

@@ -229,6 +229,14 @@ class FederatedMethod(L.LightningModule):
         x, y = batch
         return F.cross_entropy(model(x), y)
 
+    def personal_model(self, client: int) -> nn.Module | None:
+        """The method's own personalised model of `client`, for methods that train one while
+        federating (FedPer, FedRep, Ditto, Per-FedAvg, kNN-Per: the "1-step" pFL methods). It is a
+        new module on `self.device` whose forward gives class scores. Building it must not change
+        the global model or any client state. None means the method has none, and personalised
+        evaluation then reports only fine-tuning from the global model."""
+        return None
+
     # ---- evaluation ---------------------------------------------------------------------------
     def predict_logits(self, x: torch.Tensor) -> torch.Tensor:
         """Class scores used for every accuracy; cosine-classifier methods override this."""
