@@ -1,6 +1,7 @@
 """Methods, one family per file. The CLI takes any of these by class name (`--model FedSOL`)."""
 
 from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.ditto import Ditto
 from fl_lightning.methods.fedavg import FedAvg
 from fl_lightning.methods.fedbabu import FedBABU
 from fl_lightning.methods.feddr_plus import DotRegression, FedDrPlus
@@ -18,6 +19,7 @@ from fl_lightning.methods.fedsol_combined import FedSOLFedDyn, FedSOLMOON, FedSO
 from fl_lightning.methods.hetero_base import HeteroMethod
 from fl_lightning.methods.moon import MOON
 from fl_lightning.methods.mutual import FML, FedKD
+from fl_lightning.methods.perfedavg import PerFedAvg
 from fl_lightning.methods.prototypes import FedORGP, FedProto, FedTGP
 from fl_lightning.methods.scaffold import SCAFFOLD
 from fl_lightning.methods.shared_head import FedGH, LGFedAvg
@@ -33,4 +35,6 @@ __all__ = [
     "FedBABU", "DotRegression", "FedDrPlus", "FedETF", "FedGELA", "SphereFed",
     # model-heterogeneous (FedORGP paper)
     "HeteroMethod", "FedORGP", "FedProto", "FedTGP", "LGFedAvg", "FedGH", "FML", "FedKD", "FedGen",
+    # 1-step personalised FL (FedDr+ / FedSOL personalised tables)
+    "Ditto", "PerFedAvg",
 ]

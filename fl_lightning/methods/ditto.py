@@ -1,0 +1,137 @@
+"""Ditto (Li, Hu, Beirami, Smith, "Ditto: Fair and Robust Federated Learning Through
+Personalization", ICML 2021): FedAvg for the global model, plus a personal model per client that
+is pulled towards the global model and never leaves the client.
+
+Round t, sampled client k, with w_g = the round-start global model:
+
+    global track:  local SGD on CE from w_g, exactly FedAvg; the upload is this model only
+    personal v_k:  on the same local batches, SGD on  CE(v_k) + (lambda / 2) * ||v_k - w_g||_2^2
+    server:        sample-weighted average of the global-track uploads (FedAvg)
+
+Per local batch the client takes one step on the global-track model (through `sgd_step`, so
+FedCONST's constraint and every base hook apply to it) and one step on v_k with its own SGD
+optimizer: the same lr (decayed with the round schedule), momentum and weight decay as the local
+optimizer, with a momentum buffer that starts at zero every round (as the local optimizer's does).
+The proximal term covers the parameters the local optimizer trains and uses the round-start
+w_g, not the moving global-track weights.
+
+Defaults and where they come from:
+- `lam` = 1.0: the official code (github.com/litian96/ditto) ships its runs with `--lam=1`; the
+  paper tunes lambda per data set from a small candidate set (its local "dynamic" selection picks
+  from {0.1, 1, 2}). Neither the FedDr+ nor the FedSOL paper states the lambda behind its Ditto
+  numbers, so this is a guess for that setting; set `--model.lam`.
+- personal steps: Algorithm 1 of the paper leaves the count s of personal iterations free. The
+  official code takes one personal step per global local step, on the same batch, with the same
+  learning rate; that is what this does (s = E local epochs of batches). There is no separate
+  option for s.
+- v_k starts as a copy of the global model the client receives the first time it takes part.
+  (The official code starts every v_k from the initial model at round 0; for a client sampled
+  late that is a worse start, and with lambda > 0 it is pulled towards w_g anyway.)
+
+What stays where: the upload holds exactly the global-track model's state_dict; v_k is kept in
+`client_states[k]` (CPU, full state_dict including BN buffers) and saved with the checkpoint. It is
+committed when the server accepts the client's upload, so a client whose upload is dropped as
+non-finite keeps its previous v_k.
+
+`personal_model(k)` returns v_k. A client that has never taken part has no v_k; it gets a copy of
+the current global model (what v_k would start from).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from fl_lightning.errors import FLUserError
+from fl_lightning.federation import ClientUpload
+from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.common import to_cpu
+from fl_lightning.models import FLModel
+
+
+class Ditto(FederatedMethod):
+    """Args:
+        lam: weight lambda of the proximal term (lambda / 2) * ||v_k - w_g||^2 of the personal
+            objective (official code's runs: 1.0). 0 trains v_k as a purely local model.
+    """
+
+    def __init__(self, lam: float = 1.0, **kwargs):
+        super().__init__(**kwargs)
+        if lam < 0:
+            raise FLUserError(f"Ditto lam must be >= 0, got {lam}")
+        self.save_hyperparameters()
+        # plain attributes, not submodules: the personal model is per client and lives in
+        # client_states; it must not appear in the LightningModule's state_dict
+        self.__dict__["_personal"] = None
+        self._personal_opt: torch.optim.SGD | None = None
+        self._pending: dict[int, dict[str, torch.Tensor]] = {}  # v_k awaiting acceptance this round
+
+    @property
+    def personal(self) -> FLModel:
+        """The current client's personal model v_k while it trains."""
+        return self.__dict__["_personal"]
+
+    def round_start(self, round_idx: int, clients: list[int]) -> None:
+        super().round_start(round_idx, clients)
+        self._pending = {}
+
+    def client_start(self, client: int, num_samples: int) -> None:
+        super().client_start(client, num_samples)
+        if self.personal is None:
+            self.__dict__["_personal"] = copy.deepcopy(self.model)
+        # first participation: v_k = the global model it has just received
+        self.personal.load_state_dict(self.client_states.get(client, self.global_weights))
+        self.personal.to(self.device).train()
+        h = self.hparams
+        params = [p for p in self.personal.parameters() if p.requires_grad]
+        # a new optimizer per client and round: momentum starts at zero, like the local optimizer's
+        self._personal_opt = torch.optim.SGD(params, lr=self.current_lr(), momentum=h.momentum,
+                                             weight_decay=h.weight_decay)
+
+    def personal_loss(self, batch) -> torch.Tensor:
+        """CE(v_k) + (lam / 2) * ||v_k - w_g||^2 over v_k's trainable parameters, w_g = round start."""
+        x, y = batch
+        g = self.global_params()
+        prox = sum(((p - g[n]) ** 2).sum() for n, p in self.personal.named_parameters() if p.requires_grad)
+        return F.cross_entropy(self.personal(x), y) + 0.5 * self.hparams.lam * prox
+
+    def personal_step(self, batch) -> torch.Tensor:
+        loss = self.personal_loss(batch)
+        opt = self._personal_opt
+        opt.zero_grad(set_to_none=True)
+        # plain backward: this optimizer is not Lightning's (no loss scaling to undo)
+        loss.backward()
+        params = [p for p in self.personal.parameters() if p.grad is not None]
+        for p, g in zip(params, self.mean_across_devices([p.grad for p in params]), strict=True):
+            p.grad = g
+        opt.step()
+        return loss.detach()
+
+    def training_step(self, batch, batch_idx: int):
+        loss = super().training_step(batch, batch_idx)  # the global track: exactly FedAvg's step
+        personal = self.personal_step(batch)
+        self.log("ditto/personal_loss", personal, on_step=False, on_epoch=True, batch_size=len(batch[1]))
+        return loss
+
+    def client_end(self) -> ClientUpload:
+        upload = super().client_end()  # the global-track model only
+        g = self.global_params()
+        sq = sum(((p.detach() - g[n]) ** 2).sum() for n, p in self.personal.named_parameters())
+        upload.stats["personal_distance"] = float(torch.sqrt(sq))  # logged, never aggregated
+        self._pending[self.current_client] = to_cpu(self.personal.state_dict())
+        return upload
+
+    def aggregate(self, uploads: list[ClientUpload]) -> None:
+        for u in uploads:  # only accepted uploads: a skipped client keeps its old v_k
+            self.client_states[u.client] = self._pending.pop(u.client)
+        self._pending = {}
+        super().aggregate(uploads)
+
+    def personal_model(self, client: int) -> FLModel:
+        """v_k; a copy of the current global model for a client that never took part."""
+        model = copy.deepcopy(self.model)
+        if client in self.client_states:
+            model.load_state_dict(self.client_states[client])
+        return model.to(self.device).eval()
