@@ -16,6 +16,7 @@ from fl_lightning.methods.fedsam import FedASAM, FedSAM
 from fl_lightning.methods.fedsol import FedSOL, ProximalProjection
 from fl_lightning.methods.fedsol_combined import FedSOLFedDyn, FedSOLMOON, FedSOLSCAFFOLD
 from fl_lightning.methods.hetero_base import HeteroMethod
+from fl_lightning.methods.knn_per import KNNPer, KNNPerModel
 from fl_lightning.methods.moon import MOON
 from fl_lightning.methods.mutual import FML, FedKD
 from fl_lightning.methods.prototypes import FedORGP, FedProto, FedTGP
@@ -33,4 +34,6 @@ __all__ = [
     "FedBABU", "DotRegression", "FedDrPlus", "FedETF", "FedGELA", "SphereFed",
     # model-heterogeneous (FedORGP paper)
     "HeteroMethod", "FedORGP", "FedProto", "FedTGP", "LGFedAvg", "FedGH", "FML", "FedKD", "FedGen",
+    # 1-step personalised FL (FedDr+ / FedSOL personalised tables)
+    "KNNPer", "KNNPerModel",
 ]
