@@ -17,6 +17,7 @@ from fl_lightning.methods.fedsam import FedASAM, FedSAM
 from fl_lightning.methods.fedsol import FedSOL, ProximalProjection
 from fl_lightning.methods.fedsol_combined import FedSOLFedDyn, FedSOLMOON, FedSOLSCAFFOLD
 from fl_lightning.methods.hetero_base import HeteroMethod
+from fl_lightning.methods.knn_per import KNNPer, KNNPerModel
 from fl_lightning.methods.moon import MOON
 from fl_lightning.methods.mutual import FML, FedKD
 from fl_lightning.methods.perfedavg import PerFedAvg
@@ -36,5 +37,5 @@ __all__ = [
     # model-heterogeneous (FedORGP paper)
     "HeteroMethod", "FedORGP", "FedProto", "FedTGP", "LGFedAvg", "FedGH", "FML", "FedKD", "FedGen",
     # 1-step personalised FL (FedDr+ / FedSOL personalised tables)
-    "Ditto", "PerFedAvg",
+    "Ditto", "PerFedAvg", "KNNPer", "KNNPerModel",
 ]
