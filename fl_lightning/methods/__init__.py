@@ -18,6 +18,7 @@ from fl_lightning.methods.fedsol_combined import FedSOLFedDyn, FedSOLMOON, FedSO
 from fl_lightning.methods.hetero_base import HeteroMethod
 from fl_lightning.methods.moon import MOON
 from fl_lightning.methods.mutual import FML, FedKD
+from fl_lightning.methods.personal_head import FedPer, FedRep
 from fl_lightning.methods.prototypes import FedORGP, FedProto, FedTGP
 from fl_lightning.methods.scaffold import SCAFFOLD
 from fl_lightning.methods.shared_head import FedGH, LGFedAvg
@@ -33,4 +34,6 @@ __all__ = [
     "FedBABU", "DotRegression", "FedDrPlus", "FedETF", "FedGELA", "SphereFed",
     # model-heterogeneous (FedORGP paper)
     "HeteroMethod", "FedORGP", "FedProto", "FedTGP", "LGFedAvg", "FedGH", "FML", "FedKD", "FedGen",
+    # 1-step personalised FL (FedDr+ / FedSOL personalised tables)
+    "FedPer", "FedRep",
 ]
