@@ -21,6 +21,7 @@ from fl_lightning.methods.knn_per import KNNPer, KNNPerModel
 from fl_lightning.methods.moon import MOON
 from fl_lightning.methods.mutual import FML, FedKD
 from fl_lightning.methods.perfedavg import PerFedAvg
+from fl_lightning.methods.personal_head import FedPer, FedRep
 from fl_lightning.methods.prototypes import FedORGP, FedProto, FedTGP
 from fl_lightning.methods.scaffold import SCAFFOLD
 from fl_lightning.methods.shared_head import FedGH, LGFedAvg
@@ -37,5 +38,5 @@ __all__ = [
     # model-heterogeneous (FedORGP paper)
     "HeteroMethod", "FedORGP", "FedProto", "FedTGP", "LGFedAvg", "FedGH", "FML", "FedKD", "FedGen",
     # 1-step personalised FL (FedDr+ / FedSOL personalised tables)
-    "Ditto", "PerFedAvg", "KNNPer", "KNNPerModel",
+    "FedPer", "FedRep", "Ditto", "PerFedAvg", "KNNPer", "KNNPerModel",
 ]
