@@ -17,7 +17,7 @@ log p_m(y | x), so its argmax is the prediction and it can be fed to NLL as log-
 (with lam = 1 a class no neighbour has gets log 0 = -inf).
 
 Defaults, and where they come from (the FedSOL and FedDr+ papers give no kNN-Per hyperparameters):
-- num_neighbors = 10. The kNN-Per paper's experiments use k = 10 as I remember them; its official
+- num_neighbors = 10. The kNN-Per paper's experiments are recalled as using k = 10 (not verified); its official
   code takes k as a required argument and its scripts sweep k in {1, 3, 5, 7, 10} (7 for the
   heterogeneity study). FL-bench's re-implementation uses 5. UNSURE: an option.
 - distance = "squared": the official code searches a FAISS IndexFlatL2, which returns SQUARED

@@ -25,9 +25,9 @@ Mapping to this framework (one local step per batch of the round's loader):
   buffers, so they do not move the running statistics.
 
 Defaults and where they come from:
-- `variant` = "fo": the brief's choice; the paper's experiments report both FO and HF.
-- `alpha` = 0.01: as far as I recall the paper's experiments (MNIST / CIFAR-10) use beta = 0.001
-  and alpha of 0.001 or 0.01 (their tables vary it); I could not check the text, so alpha is an
+- `variant` = "fo": the cheaper of the two; the paper's experiments report both FO and HF.
+- `alpha` = 0.01: the paper's experiments (MNIST / CIFAR-10) are recalled as beta = 0.001 and
+  alpha of 0.001 or 0.01 (their tables vary it); not verified against the text, so alpha is an
   option. 0.01 is also the common re-implementations' default.
 - `delta` = 0.001: the HF finite-difference step (as recalled from the paper; unverified).
 - `adapt_steps` = 1: Per-FedAvg is evaluated after one gradient step of size alpha on the client's
