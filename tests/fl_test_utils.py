@@ -101,3 +101,53 @@ def reference_sgd(w0: dict[str, torch.Tensor], grad_fn, steps: int, lr: float, m
             buf[k] = d if k not in buf else momentum * buf[k] + d
             w[k] = w[k] - lr * buf[k]
     return w
+
+
+def assert_same_tensors(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k].cpu(), b[k].cpu()), k
+
+
+def four_clients() -> FederatedDataModule:
+    """40 toy samples over 4 clients, half of them sampled per round, 2 local epochs of batch 5."""
+    x, y = toy_data(n=40, size=4, num_classes=3)
+    return one_client_module(x, y, num_clients=4, sample_ratio=0.5, batch_size=5, local_epochs=2)
+
+
+def straight_and_resumed(build, tmp_path, rounds: int = 4, interrupt_after: int = 2):
+    """`build(seed)` -> (method, datamodule). Trains one instance for `rounds` rounds straight, and
+    another for `interrupt_after` rounds, resumed from its last checkpoint into a third instance
+    built with a different seed (so everything must come from the checkpoint). Returns the
+    straight, the interrupted and the resumed methods."""
+    straight, dm = build(0)
+    fit(straight, dm, rounds=rounds)
+    first, dm = build(0)
+    fit(first, dm, rounds=interrupt_after,
+        callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0, every_n_epochs=1)])
+    resumed, dm = build(123)
+    fit(resumed, dm, rounds=rounds, ckpt_path=str(tmp_path / "last.ckpt"),
+        callbacks=[ModelCheckpoint(dirpath=tmp_path / "again", save_last=True, save_top_k=0)])
+    return straight, first, resumed
+
+
+def assert_same_run(straight, resumed) -> None:
+    """The same global model and the same per-client states, bit for bit."""
+    assert_same_tensors(resumed.model.state_dict(), straight.model.state_dict())
+    assert resumed.client_states.keys() == straight.client_states.keys()
+    for client in straight.client_states:
+        assert_same_tensors(resumed.client_states[client], straight.client_states[client])
+
+
+def learnable_shard_module(n_train=200, n_test=100, classes=4, clients=4, **kw) -> FederatedDataModule:
+    """Class-dependent means (learnable in a few steps), one shard per client, and per-client test
+    sets sharded with the training classes."""
+    g = torch.Generator().manual_seed(0)
+    y_train, y_test = torch.arange(n_train) % classes, torch.arange(n_test) % classes
+    x_train = torch.randn(n_train, 1, 4, 4, generator=g) + y_train.view(-1, 1, 1, 1).float()
+    x_test = torch.randn(n_test, 1, 4, 4, generator=g) + y_test.view(-1, 1, 1, 1).float()
+    name = register_tensors(x_train, y_train, x_test, y_test, num_classes=classes)
+    args = dict(dataset=name, num_clients=clients, sample_ratio=1.0, local_epochs=1, batch_size=25,
+                partition="shard", shards_per_client=1, client_test="partition")
+    args.update(kw)
+    return FederatedDataModule(**args)

@@ -8,22 +8,26 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from fl_test_utils import fit, fixed_parts_module, one_client_module, params, reference_sgd, register_tensors, toy_data
-from lightning.pytorch.callbacks import ModelCheckpoint
+from fl_test_utils import (
+    assert_same_run,
+    assert_same_tensors,
+    fit,
+    fixed_parts_module,
+    four_clients,
+    learnable_shard_module,
+    one_client_module,
+    params,
+    reference_sgd,
+    straight_and_resumed,
+    toy_data,
+)
 from torch.func import functional_call
 
-from fl_lightning.data.datamodule import FederatedDataModule
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods import Ditto, FedAvg, PerFedAvg
 from fl_lightning.personalization import PersonalizationCallback
 
 OPT = dict(lr=0.1, momentum=0.9, weight_decay=1e-3)
-
-
-def assert_same_tensors(a: dict, b: dict):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k].cpu(), b[k].cpu()), k
 
 
 def assert_close_tensors(a: dict, b: dict, atol=1e-6):
@@ -133,11 +137,6 @@ def test_ditto_personal_model_is_v_k_and_leaves_the_global_model_alone():
     assert_same_tensors(params(method.personal_model(1)), global_before)
 
 
-def four_clients():
-    x, y = toy_data(n=40, size=4, num_classes=3)
-    return one_client_module(x, y, num_clients=4, sample_ratio=0.5, batch_size=5, local_epochs=2)
-
-
 def build(method_cls, seed=0, **kw):
     torch.manual_seed(seed)
     dm = four_clients()
@@ -146,20 +145,8 @@ def build(method_cls, seed=0, **kw):
 
 @pytest.mark.parametrize("method_cls", [Ditto, PerFedAvg])
 def test_resume_equals_uninterrupted(method_cls, tmp_path):
-    straight, dm = build(method_cls)
-    fit(straight, dm, rounds=4)
-
-    first, dm = build(method_cls)
-    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0, every_n_epochs=1)
-    fit(first, dm, rounds=2, callbacks=[ckpt])
-    resumed, dm = build(method_cls, seed=123)  # different init: everything must come from the checkpoint
-    fit(resumed, dm, rounds=4, ckpt_path=str(tmp_path / "last.ckpt"),
-        callbacks=[ModelCheckpoint(dirpath=tmp_path / "again", save_last=True, save_top_k=0)])
-
-    assert_same_tensors(resumed.model.state_dict(), straight.model.state_dict())
-    assert resumed.client_states.keys() == straight.client_states.keys()
-    for client in straight.client_states:
-        assert_same_tensors(resumed.client_states[client], straight.client_states[client])
+    straight, first, resumed = straight_and_resumed(lambda seed: build(method_cls, seed), tmp_path)
+    assert_same_run(straight, resumed)
     if method_cls is Ditto:
         # personal models of clients trained before the interruption came back from the checkpoint
         assert set(first.client_states) <= set(straight.client_states)
@@ -242,15 +229,8 @@ def ce_grad_graph(model, w, x, y):
     return dict(zip(w, torch.autograd.grad(loss, list(w.values()), create_graph=True), strict=True))
 
 
-def _shard_module(n_train=80, n_test=40, classes=4, clients=4):
-    g = torch.Generator().manual_seed(0)
-    y_train = torch.arange(n_train) % classes
-    y_test = torch.arange(n_test) % classes
-    x_train = torch.randn(n_train, 1, 4, 4, generator=g) + y_train.view(-1, 1, 1, 1).float()
-    x_test = torch.randn(n_test, 1, 4, 4, generator=g) + y_test.view(-1, 1, 1, 1).float()
-    name = register_tensors(x_train, y_train, x_test, y_test, num_classes=classes)
-    return FederatedDataModule(dataset=name, num_clients=clients, sample_ratio=1.0, local_epochs=1,
-                               batch_size=10, partition="shard", shards_per_client=1, client_test="partition")
+def _shard_module():
+    return learnable_shard_module(n_train=80, n_test=40, batch_size=10)
 
 
 @pytest.mark.parametrize("adapt_steps", [1, 2])

@@ -7,12 +7,22 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from fl_test_utils import fit, fixed_parts_module, one_client_module, params, reference_sgd, register_tensors, toy_data
-from lightning.pytorch.callbacks import ModelCheckpoint
+from fl_test_utils import (
+    assert_same_run,
+    assert_same_tensors,
+    fit,
+    fixed_parts_module,
+    four_clients,
+    learnable_shard_module,
+    one_client_module,
+    params,
+    reference_sgd,
+    straight_and_resumed,
+    toy_data,
+)
 from torch import nn
 from torch.func import functional_call
 
-from fl_lightning.data.datamodule import FederatedDataModule
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods import FedPer, FedRep
 from fl_lightning.models import FLModel, register_model
@@ -50,12 +60,6 @@ def ce_grad(model, x, y, fixed=None):
 
 def part(state, keys):
     return {k: state[k].detach().clone() for k in keys}
-
-
-def assert_equal(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k].cpu(), b[k].cpu()), k
 
 
 def close(a, b):
@@ -99,12 +103,12 @@ def test_fedper_steps_by_hand_first_and_later_round():
     local = [reference_sgd(w0, ce_grad(_mlp(x), x[p], y[p]), 1, LR, MOM, WD) for p in parts]
     body1 = {k: (4 * local[0][k] + 8 * local[1][k]) / 12 for k in BODY}  # sample-weighted
     close(part(global1, BODY), body1)
-    assert_equal(part(global1, HEAD), part(w0, HEAD))  # the global head is the initial one
+    assert_same_tensors(part(global1, HEAD), part(w0, HEAD))  # the global head is the initial one
     for c in (0, 1):
         close(heads1[c], part(local[c], HEAD))
 
     w0_again, global2, heads2 = results[2]
-    assert_equal(w0_again, w0)
+    assert_same_tensors(w0_again, w0)
     # round 2: the averaged body + the client's OWN head (not the global head)
     local2 = [reference_sgd({**body1, **part(local[c], HEAD)}, ce_grad(_mlp(x), x[p], y[p]), 1, LR, MOM, WD)
               for c, p in enumerate(parts)]
@@ -145,7 +149,7 @@ def test_upload_is_body_only_global_head_fixed_heads_personal(cls):
     expected = {k: sum(u.num_samples * u.tensors[k] for u in last) / 40 for k in BODY}
     close(part(method.model.state_dict(), BODY), expected)
     assert not torch.equal(method.model.body[1].weight, w0["body.1.weight"])
-    assert_equal(part(method.model.state_dict(), HEAD), part(w0, HEAD))  # bit for bit
+    assert_same_tensors(part(method.model.state_dict(), HEAD), part(w0, HEAD))  # bit for bit
     assert set(method.client_states) == {0, 1, 2}
     for c in range(3):
         assert set(method.client_states[c]) == HEAD
@@ -195,17 +199,17 @@ def test_fedrep_phases_freeze_the_other_part_bit_for_bit_with_configured_step_co
         (p1, after_head), (p2, after_body) = rec["ends"]
         assert (p1, p2) == ("head", "body")
         # head phase: the body (parameters AND BN buffers) is the round-start global body
-        assert_equal(part(after_head, body), part(rec["start"], body))
+        assert_same_tensors(part(after_head, body), part(rec["start"], body))
         # ... although its forward passes did move the running statistics, which were put back
         assert not torch.equal(rec["mid_body_buffers"], rec["start"]["body.2.running_mean"])
         assert not torch.equal(after_head["head.weight"], rec["start"]["head.weight"])  # head trained
         # body phase: the head is the one the head phase ended with
-        assert_equal(part(after_body, head), part(after_head, head))
+        assert_same_tensors(part(after_body, head), part(after_head, head))
         assert not torch.equal(after_body["body.1.weight"], after_head["body.1.weight"])  # body trained
     # a client's second round starts from the head its first round ended with
     first, second = method.log_[0], method.log_[2]
     assert first["client"] == second["client"] == 0
-    assert_equal(part(second["start"], head), part(first["ends"][1][1], head))
+    assert_same_tensors(part(second["start"], head), part(first["ends"][1][1], head))
     assert all(p.requires_grad for p in method.model.parameters())  # nothing stays frozen
 
 
@@ -230,16 +234,10 @@ def test_fedrep_round_by_hand_head_then_body_with_fresh_momentum():
 
 
 # ---- personal_model --------------------------------------------------------------------------------
-def _shard_module(n_train=120, n_test=60, classes=4, clients=4, **kw):
-    g = torch.Generator().manual_seed(0)
-    y_train, y_test = torch.arange(n_train) % classes, torch.arange(n_test) % classes
-    x_train = torch.randn(n_train, 1, 4, 4, generator=g) + y_train.view(-1, 1, 1, 1).float()
-    x_test = torch.randn(n_test, 1, 4, 4, generator=g) + y_test.view(-1, 1, 1, 1).float()
-    name = register_tensors(x_train, y_train, x_test, y_test, num_classes=classes)
-    args = dict(dataset=name, num_clients=clients, sample_ratio=0.5, local_epochs=2, batch_size=15,
-                partition="shard", shards_per_client=1, client_test="partition")
+def _shard_module(**kw):
+    args = dict(n_train=120, n_test=60, sample_ratio=0.5, local_epochs=2, batch_size=15)
     args.update(kw)
-    return FederatedDataModule(**args)
+    return learnable_shard_module(**args)
 
 
 @pytest.mark.parametrize("cls", [FedPer, FedRep])
@@ -260,15 +258,15 @@ def test_personal_model_is_global_body_plus_own_head_and_changes_nothing(cls):
         own = method.personal_model(c)
         assert own is not method.model
         head = method.client_states[c] if c in trained else initial_head
-        assert_equal(own.state_dict(), {**part(global_before, BODY), **head})
+        assert_same_tensors(own.state_dict(), {**part(global_before, BODY), **head})
         with torch.no_grad():
             expected = F.linear(method.model.features(x), head["head.weight"], head["head.bias"])
             assert torch.equal(own(x), expected)
             own.head.weight.add_(1.0)  # a new module: changing it changes nothing of the method
-    assert_equal(params(method.model), global_before)
+    assert_same_tensors(params(method.model), global_before)
     assert method.client_states.keys() == states_before.keys()
     for c in states_before:
-        assert_equal(method.client_states[c], states_before[c])
+        assert_same_tensors(method.client_states[c], states_before[c])
     assert torch.equal(torch.get_rng_state(), rng)
 
 
@@ -281,9 +279,9 @@ def test_own_personal_models_are_evaluated_and_do_not_change_training():
         cb = PersonalizationCallback(enabled=enabled, epochs=[0], every_n_rounds=1)
         fit(method, dm, rounds=2, callbacks=[cb])
         finals.append((params(method.model), method.client_states))
-    assert_equal(finals[0][0], finals[1][0])
+    assert_same_tensors(finals[0][0], finals[1][0])
     for c in finals[0][1]:
-        assert_equal(finals[0][1][c], finals[1][1][c])
+        assert_same_tensors(finals[0][1][c], finals[1][1][c])
     # own accuracy of client k = accuracy of the global body + head k on k's test set
     dm.setup()
     for c in range(4):
@@ -298,32 +296,21 @@ def test_own_personal_models_are_evaluated_and_do_not_change_training():
 
 
 # ---- resume ----------------------------------------------------------------------------------------
-def _four_clients():
-    x, y = toy_data(n=40, size=4, num_classes=3)
-    return one_client_module(x, y, num_clients=4, sample_ratio=0.5, batch_size=5, local_epochs=2)
-
-
-def _build(cls, seed=0):
-    torch.manual_seed(seed)
-    dm = _four_clients()
-    kw = {"head_epochs": 1, "body_epochs": 1} if cls is FedRep else {}
-    return cls(model="mlp", data_spec=dm.spec, **kw), dm
+def _build(cls):
+    def build(seed):
+        torch.manual_seed(seed)
+        dm = four_clients()
+        kw = {"head_epochs": 1, "body_epochs": 1} if cls is FedRep else {}
+        return cls(model="mlp", data_spec=dm.spec, **kw), dm
+    return build
 
 
 @pytest.mark.parametrize("cls", [FedPer, FedRep])
 def test_resume_equals_uninterrupted_including_heads(cls, tmp_path):
-    straight, dm = _build(cls)
-    fit(straight, dm, rounds=4)
-    first, dm = _build(cls)
-    fit(first, dm, rounds=2, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)])
-    resumed, dm = _build(cls, seed=123)  # another init: the global head too must come from the checkpoint
-    fit(resumed, dm, rounds=4, ckpt_path=str(tmp_path / "last.ckpt"),
-        callbacks=[ModelCheckpoint(dirpath=tmp_path / "again", save_last=True, save_top_k=0)])
-    assert_equal(resumed.model.state_dict(), straight.model.state_dict())
+    # the resumed instance has another init: the global head too must come from the checkpoint
+    straight, _, resumed = straight_and_resumed(_build(cls), tmp_path)
     assert len(straight.client_states) >= 3
-    assert resumed.client_states.keys() == straight.client_states.keys()
-    for c in straight.client_states:
-        assert_equal(resumed.client_states[c], straight.client_states[c])
+    assert_same_run(straight, resumed)
 
 
 # ---- bad input ---------------------------------------------------------------------------------------

@@ -4,27 +4,16 @@ evaluated on each client's own test set, and the global model (and the next roun
 import numpy as np
 import pytest
 import torch
-from fl_test_utils import fit, params, register_tensors
+from fl_test_utils import fit, learnable_shard_module, params
 
 from fl_lightning.data import partition as partitioners
-from fl_lightning.data.datamodule import FederatedDataModule
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods import FedAvg, FedDrPlus
 from fl_lightning.personalization import PersonalizationCallback
 
 
-def _shard_module(client_test="partition", n_train=200, n_test=100, classes=4, clients=4, **kw):
-    g = torch.Generator().manual_seed(0)
-    y_train = torch.arange(n_train) % classes
-    y_test = torch.arange(n_test) % classes
-    # class-dependent means so that a model can learn something in a few steps
-    x_train = torch.randn(n_train, 1, 4, 4, generator=g) + y_train.view(-1, 1, 1, 1).float()
-    x_test = torch.randn(n_test, 1, 4, 4, generator=g) + y_test.view(-1, 1, 1, 1).float()
-    name = register_tensors(x_train, y_train, x_test, y_test, num_classes=classes)
-    args = dict(dataset=name, num_clients=clients, sample_ratio=1.0, local_epochs=1, batch_size=25,
-                partition="shard", shards_per_client=1, client_test=client_test)
-    args.update(kw)
-    return FederatedDataModule(**args)
+def _shard_module(client_test="partition", **kw):
+    return learnable_shard_module(client_test=client_test, **kw)
 
 
 def test_partitioned_client_test_sets_follow_training_classes():

@@ -6,7 +6,15 @@ import re
 
 import pytest
 import torch
-from fl_test_utils import fit, one_client_module, toy_data
+from fl_test_utils import (
+    assert_same_run,
+    assert_same_tensors,
+    fit,
+    four_clients,
+    one_client_module,
+    straight_and_resumed,
+    toy_data,
+)
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from fl_lightning.cli import main
@@ -16,39 +24,16 @@ from fl_lightning.methods import MOON, SCAFFOLD, FedAvg, FedDyn, FedExP, FedNTD,
 SERVER_STATE = {SCAFFOLD: "server_c", FedDyn: "server_h", FedExP: "iterate", MOON: "initial_weights"}
 
 
-def four_clients():
-    x, y = toy_data(n=40, size=4, num_classes=3)
-    return one_client_module(x, y, num_clients=4, sample_ratio=0.5, batch_size=5, local_epochs=2)
-
-
 def build(method_cls, seed=0):
     torch.manual_seed(seed)
     dm = four_clients()
     return method_cls(model="mlp", data_spec=dm.spec), dm
 
 
-def assert_same_tensors(a: dict, b: dict):
-    assert a.keys() == b.keys()
-    for k in a:
-        assert torch.equal(a[k].cpu(), b[k].cpu()), k
-
-
 @pytest.mark.parametrize("method_cls", [SCAFFOLD, FedDyn, MOON, FedExP, FedNTD, FedSOL])
 def test_resume_equals_uninterrupted(method_cls, tmp_path):
-    straight, dm = build(method_cls)
-    fit(straight, dm, rounds=4)
-
-    first, dm = build(method_cls)
-    ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0, every_n_epochs=1)
-    fit(first, dm, rounds=2, callbacks=[ckpt])
-    resumed, dm = build(method_cls, seed=123)  # different init: everything must come from the checkpoint
-    fit(resumed, dm, rounds=4, ckpt_path=str(tmp_path / "last.ckpt"),
-        callbacks=[ModelCheckpoint(dirpath=tmp_path / "again", save_last=True, save_top_k=0)])
-
-    assert_same_tensors(resumed.model.state_dict(), straight.model.state_dict())
-    assert resumed.client_states.keys() == straight.client_states.keys()
-    for client in straight.client_states:
-        assert_same_tensors(resumed.client_states[client], straight.client_states[client])
+    straight, _, resumed = straight_and_resumed(lambda seed: build(method_cls, seed), tmp_path)
+    assert_same_run(straight, resumed)
     if method_cls in SERVER_STATE:
         name = SERVER_STATE[method_cls]
         assert_same_tensors(getattr(resumed, name), getattr(straight, name))
