@@ -3,7 +3,8 @@
 It knows no method by name. At round start it asks the method to take the global state; at each
 client's first batch it starts that client; after the client's last batch it collects the
 client's upload (and checks it is finite); after the round's last batch it has the method
-aggregate, before Lightning's validation loop evaluates the new global model. What the method
+aggregate the accepted uploads (and lets those clients keep their new local state), before
+Lightning's validation loop evaluates the new global model. What the method
 uploads and how the server combines it is entirely the method's business (`methods/base.py`).
 """
 
@@ -143,6 +144,7 @@ class FederatedCallback(L.Callback):
                                   f"{self._where(trainer, pl_module)}")
         lr = pl_module.current_lr()
         pl_module.aggregate(self._uploads)
+        pl_module.commit_kept_states(self._uploads)
         if pl_module.has_global_model and not all_finite(pl_module.model.state_dict()):
             # finite uploads can still aggregate to inf/NaN (a server step size, a control variate,
             # overflow); no client to skip then, so the run stops either way

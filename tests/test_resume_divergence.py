@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from fl_lightning.cli import main
 from fl_lightning.federation import FLDivergedError
-from fl_lightning.methods import MOON, SCAFFOLD, FedAvg, FedDyn, FedExP, FedNTD, FedSOL
+from fl_lightning.methods import MOON, SCAFFOLD, Ditto, FedAvg, FedDyn, FedExP, FedNTD, FedSOL
 
 SERVER_STATE = {SCAFFOLD: "server_c", FedDyn: "server_h", FedExP: "iterate", MOON: "initial_weights"}
 
@@ -194,3 +194,28 @@ def test_collapse_state_is_in_the_checkpoint_and_comes_back(tmp_path):
                   callbacks=[ModelCheckpoint(dirpath=tmp_path / "again", save_last=True, save_top_k=0)])
     # the third round at chance is the resumed run's first: counted on top of the restored two
     assert resumed.callbacks[0].state_dict()["failed_at"] == "round 5/5, method CollapsingFedAvg"
+
+
+class PoisonedLateDitto(Ditto):
+    """Client 1's upload is NaN from round 3 on, after it has kept a personal model earlier."""
+
+    def round_start(self, round_idx, clients):
+        super().round_start(round_idx, clients)
+        if round_idx == 2:  # what the clients kept after rounds 1-2
+            self.kept_before = {c: {k: v.clone() for k, v in s.items()} for c, s in self.client_states.items()}
+
+    def client_end(self):
+        upload = super().client_end()
+        if upload.client == 1 and self.round_idx >= 2:
+            upload.tensors["head.bias"] = torch.full_like(upload.tensors["head.bias"], float("nan"))
+        return upload
+
+
+def test_a_skipped_client_keeps_its_previous_kept_state():
+    torch.manual_seed(0)
+    dm = one_client_module(*toy_data(n=40, size=4, num_classes=3), num_clients=2, batch_size=10)
+    method = PoisonedLateDitto(model="mlp", data_spec=dm.spec)
+    fit(method, dm, rounds=4, on_divergence="skip_client")
+    # client 0 keeps a new personal model every round; client 1's was kept only while accepted
+    assert_same_tensors(method.client_states[1], method.kept_before[1])
+    assert not torch.equal(method.client_states[0]["head.bias"], method.kept_before[0]["head.bias"])

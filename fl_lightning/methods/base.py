@@ -6,7 +6,8 @@ combines the uploads. The federated callback (federation.py) calls these hooks i
     client_start(client, n)          client: load the global state (+ its own persistent state),
                                      fresh optimizer state
     training_step(batch)             client: one local step
-    client_end() -> ClientUpload     client: what it sends (and any persistent state it keeps)
+    client_end() -> ClientUpload     client: what it sends; state it keeps without sending it goes
+                                     through keep_on_client (committed if the upload is accepted)
     aggregate(uploads)               server: uploads -> new global state, loaded into self.model
     round_end()                      server: per-round lr decay
 
@@ -33,6 +34,7 @@ from torchmetrics.classification import MulticlassAccuracy
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import ClientUpload, weighted_average
+from fl_lightning.methods.common import to_cpu
 from fl_lightning.methods.fedconst import CONSTRAINT_MODES, ChannelConstraint, constrained_names
 from fl_lightning.models import FLModel, build_model
 
@@ -87,6 +89,7 @@ class FederatedMethod(L.LightningModule):
         self.current_num_samples = 0
         self.local_step = 0  # steps the current client has taken this round
         self.client_states: dict[int, dict[str, torch.Tensor]] = {}
+        self._kept_states: dict[int, dict[str, torch.Tensor]] = {}  # see keep_on_client
         self._global_model: FLModel | None = None
         self.constraint = constraint
         self._constraint: ChannelConstraint | None = None  # this round's constraint set
@@ -273,6 +276,21 @@ class FederatedMethod(L.LightningModule):
             total += len(y)
         self.model.train(was_training)
         return correct / total, loss_sum / total
+
+    # ---- state a client keeps without uploading it ---------------------------------------------
+    def keep_on_client(self, state: dict[str, torch.Tensor]) -> None:
+        """Keep `state` (copied to the CPU) as the current client's own persistent state, never
+        uploaded (Ditto's personal model, FedPer's head). It becomes `client_states[client]` when
+        the server accepts this round's upload (`commit_kept_states`), so a client whose upload is
+        dropped as non-finite keeps its previous state."""
+        self._kept_states[self.current_client] = to_cpu(state)
+
+    def commit_kept_states(self, accepted: list[ClientUpload]) -> None:
+        """Called by the federation after aggregation with the uploads the server accepted."""
+        for u in accepted:
+            if u.client in self._kept_states:
+                self.client_states[u.client] = self._kept_states[u.client]
+        self._kept_states = {}
 
     # ---- persistent client state survives checkpoints -----------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -47,7 +47,6 @@ import torch.nn.functional as F
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import ClientUpload
 from fl_lightning.methods.base import FederatedMethod
-from fl_lightning.methods.common import to_cpu
 from fl_lightning.models import FLModel
 
 
@@ -66,16 +65,11 @@ class Ditto(FederatedMethod):
         # client_states; it must not appear in the LightningModule's state_dict
         self.__dict__["_personal"] = None
         self._personal_opt: torch.optim.SGD | None = None
-        self._pending: dict[int, dict[str, torch.Tensor]] = {}  # v_k awaiting acceptance this round
 
     @property
     def personal(self) -> FLModel:
         """The current client's personal model v_k while it trains."""
         return self.__dict__["_personal"]
-
-    def round_start(self, round_idx: int, clients: list[int]) -> None:
-        super().round_start(round_idx, clients)
-        self._pending = {}
 
     def client_start(self, client: int, num_samples: int) -> None:
         super().client_start(client, num_samples)
@@ -120,14 +114,8 @@ class Ditto(FederatedMethod):
         g = self.global_params()
         sq = sum(((p.detach() - g[n]) ** 2).sum() for n, p in self.personal.named_parameters())
         upload.stats["personal_distance"] = float(torch.sqrt(sq))  # logged, never aggregated
-        self._pending[self.current_client] = to_cpu(self.personal.state_dict())
+        self.keep_on_client(self.personal.state_dict())  # v_k: client_states[k] once accepted
         return upload
-
-    def aggregate(self, uploads: list[ClientUpload]) -> None:
-        for u in uploads:  # only accepted uploads: a skipped client keeps its old v_k
-            self.client_states[u.client] = self._pending.pop(u.client)
-        self._pending = {}
-        super().aggregate(uploads)
 
     def personal_model(self, client: int) -> FLModel:
         """v_k; a copy of the current global model for a client that never took part."""

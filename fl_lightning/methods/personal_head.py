@@ -71,7 +71,6 @@ import torch
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import ClientUpload, weighted_average
 from fl_lightning.methods.base import FederatedMethod
-from fl_lightning.methods.common import to_cpu
 
 
 class PersonalHeadMethod(FederatedMethod):
@@ -99,8 +98,6 @@ class PersonalHeadMethod(FederatedMethod):
         self.shared_keys = [k for k in keys if k not in self.personal_keys]
         if not any(k in self.shared_keys for k, _ in self.model.named_parameters()):
             raise FLUserError(f"personal_layers {prefixes} cover the whole model; nothing would be shared")
-        # a sampled client's new head, committed in `aggregate` only if its upload was accepted
-        self._pending_heads: dict[int, dict[str, torch.Tensor]] = {}
 
     @staticmethod
     def _under(key: str, prefix: str) -> bool:
@@ -138,7 +135,7 @@ class PersonalHeadMethod(FederatedMethod):
 
     def client_end(self) -> ClientUpload:
         self.model.requires_grad_(True)
-        self._pending_heads[self.current_client] = to_cpu(self._model_state(self.personal_keys))
+        self.keep_on_client(self._model_state(self.personal_keys))  # client_states[k] once accepted
         body = self._model_state(self.shared_keys)
         return ClientUpload(self.current_client, self.current_num_samples, body,
                             {"drift": self.body_distance_to_global()})
@@ -151,9 +148,6 @@ class PersonalHeadMethod(FederatedMethod):
 
     # ---- server -------------------------------------------------------------------------------
     def aggregate(self, uploads: list[ClientUpload]) -> None:
-        for u in uploads:  # only accepted uploads: a skipped (non-finite) client keeps its old head
-            self.client_states[u.client] = self._pending_heads[u.client]
-        self._pending_heads = {}
         avg = weighted_average([u.tensors for u in uploads], [u.num_samples for u in uploads])
         for k in self.personal_keys:  # the global head stays the initial one, bit for bit
             avg[k] = self.global_weights[k]
