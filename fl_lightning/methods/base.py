@@ -280,9 +280,9 @@ class FederatedMethod(L.LightningModule):
     # ---- state a client keeps without uploading it ---------------------------------------------
     def keep_on_client(self, state: dict[str, torch.Tensor]) -> None:
         """Keep `state` (copied to the CPU) as the current client's own persistent state, never
-        uploaded (Ditto's personal model, FedPer's head). It becomes `client_states[client]` when
-        the server accepts this round's upload (`commit_kept_states`), so a client whose upload is
-        dropped as non-finite keeps its previous state."""
+        uploaded (Ditto's personal model, FedPer's head, FedKD's W_h). It becomes
+        `client_states[client]` when the server accepts this round's upload (`commit_kept_states`),
+        so a client whose upload is dropped as non-finite keeps its previous state."""
         self._kept_states[self.current_client] = to_cpu(state)
 
     def commit_kept_states(self, accepted: list[ClientUpload]) -> None:

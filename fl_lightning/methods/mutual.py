@@ -155,9 +155,7 @@ class FedKD(SharedModelMethod):
             self.W_h.load_state_dict(state)
 
     def client_done(self) -> None:
-        self.client_states[self.current_client] = {
-            k: v.detach().cpu().clone() for k, v in self.W_h.state_dict().items()
-        }
+        self.keep_on_client(self.W_h.state_dict())  # client_states[k] once the upload is accepted
 
     def extra_local_parameters(self):
         return list(self.shared.parameters()) + list(self.W_h.parameters())
