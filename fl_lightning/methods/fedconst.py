@@ -40,6 +40,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from fl_lightning.errors import FLUserError
+
 ConstraintMode = Literal["none", "joint", "sequential"]
 CONSTRAINT_MODES = ("none", "joint", "sequential")
 
@@ -98,7 +100,7 @@ class ChannelConstraint:
     def __init__(self, mode: ConstraintMode, global_weights: Mapping[str, torch.Tensor],
                  names: Iterable[str]):
         if mode not in ("joint", "sequential"):
-            raise ValueError(f"constraint mode must be joint or sequential, got {mode!r}")
+            raise FLUserError(f"constraint mode must be joint or sequential, got {mode!r}")
         self.mode = mode
         self.global_rows: dict[str, torch.Tensor] = {}
         self.directions: dict[str, torch.Tensor] = {}
