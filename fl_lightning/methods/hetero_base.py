@@ -37,7 +37,7 @@ from torch import nn
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import ClientUpload
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import FederatedMethod, abstract_base
 from fl_lightning.models.base import FLModel
 from fl_lightning.models.hetero import build_client_models, client_architecture, group_members
 
@@ -58,13 +58,17 @@ class NoGlobalModel(FLModel):
         )
 
 
+@abstract_base
 class HeteroMethod(FederatedMethod):
     """Holds one persistent model per client and runs the per-client personalised evaluation.
 
     Args:
         model: a model group (HMG3, HMG5, HMG8, HMG10) or a comma-separated list of architectures.
         feature_dim: K, the common feature size of every client's body (heads are Linear(K, C)).
-        lr, momentum, weight_decay, lr_decay: the local SGD (HtFL papers: lr 0.01, plain SGD, no decay).
+        lr: learning rate of the local SGD (HtFL papers: 0.01).
+        momentum: momentum of the local SGD (HtFL papers: 0, plain SGD).
+        weight_decay: weight decay of the local SGD (HtFL papers: 0).
+        lr_decay: local lr multiplied by this after every round (HtFL papers: 1, no decay).
     """
 
     has_global_model = False
