@@ -247,7 +247,8 @@ def _corrupt(name: str, path: Path, reason: str) -> FLUserError:
 
 def _idx_problem(path: Path, magic: int, ndim: int) -> str | None:
     """Why `path` is not a complete IDX file (MNIST's format: big-endian magic, dims, uint8 data)."""
-    data = path.read_bytes()[: 4 + 4 * ndim]
+    with open(path, "rb") as f:
+        data = f.read(4 + 4 * ndim)
     if len(data) < 4 + 4 * ndim or int.from_bytes(data[:4], "big") != magic:
         return f"not an IDX file with magic number {magic}"
     dims = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
