@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import sys
 from pathlib import Path
@@ -58,6 +57,11 @@ class FLCLI(LightningCLI):
     def __init__(self, *args, **kwargs):
         FLCLI.active = self
         super().__init__(*args, **kwargs)
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """fit, validate and test: Lightning's `predict` is left out, no method has a predict step."""
+        return {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(FederatedCallback, "federation")
@@ -158,28 +162,61 @@ def finish_wandb(exit_code: int) -> None:
         wandb.teardown()
 
 
-def _summarise_parse_error(text: str) -> str:
-    """jsonargparse explains a bad value over a dozen lines; keep what the user needs."""
-    key = re.match(r'Parser key "([^"]+)"', text)
-    where = key.group(1) if key else "arguments"
-    missing = re.search(r"Expected a dot import path string: (\S+)", text)
-    if missing and where == "model":
-        from fl_lightning import methods
+def _method_names() -> list[str]:
+    """The methods a user can pick: concrete FederatedMethod subclasses exported by the package
+    (abstract bases such as HeteroMethod, and helpers such as KNNPerModel, are not methods)."""
+    import inspect
 
-        names = ", ".join(n for n in sorted(methods.__all__) if n != "FederatedMethod")
-        return f"unknown method '{missing.group(1)}'; choose one of: {names} (or a full class path)"
-    problem = re.search(r"Problem with given class_path '([^']+)':\s*\n\s*(.+)", text)
-    if problem:
-        return f"{where}: {problem.group(2).strip()} by {problem.group(1)}"
-    expected = re.search(r"Expected a <class '(\w+)'>", text)
-    given = re.search(r"Given value: (.+)", text)
-    if expected and given:
-        return f"{where}: expected {expected.group(1)}, got '{given.group(1).strip()}'"
-    lines = [line.strip(" -") for line in text.splitlines() if line.strip(" -")]
-    return " ".join(lines[:2])
+    from fl_lightning import methods
+
+    return sorted(n for n in methods.__all__
+                  if inspect.isclass(cls := getattr(methods, n)) and issubclass(cls, FederatedMethod)
+                  and not inspect.isabstract(cls))
 
 
-def _one_line(err: BaseException) -> tuple[str, int] | None:
+def _class_options(class_path: str) -> list[str]:
+    """A class's init options as the CLI reads them (for a did-you-mean)."""
+    from jsonargparse import ArgumentParser
+    from jsonargparse._util import import_object
+
+    try:
+        parser = ArgumentParser(exit_on_error=False)
+        parser.add_class_arguments(import_object(class_path), "x")
+    except Exception:  # noqa: BLE001 - only a hint for an error message
+        return []
+    return [a.dest[2:] for a in parser._actions
+            if a.dest.startswith("x.") and a.dest.count(".") == 1 and a.dest != "x.data_spec"]
+
+
+def _option_names() -> list[str]:
+    cli = FLCLI.active
+    parsers = getattr(cli, "_subcommand_parsers", None) or {}
+    parser = parsers.get(getattr(cli, "subcommand", None) or "fit")
+    return [a.dest for a in parser._actions if a.dest not in ("help", "config")] if parser is not None else []
+
+
+def _summarise_parse_error(text: str, args: list[str] | None = None) -> str:
+    """jsonargparse explains a bad value over a dozen lines; one line names the option, the value
+    and what it accepts (fl_lightning/parse_errors.py)."""
+    from fl_lightning import parse_errors
+
+    args = sys.argv[1:] if args is None else args
+    return parse_errors.summarise(text, args, _option_names(), _class_options, _method_names())
+
+
+def _raised_by_trainer_init(err: BaseException) -> bool:
+    """An error from Lightning's Trainer constructor is a bad trainer.* option (an unknown
+    accelerator, devices 'abc', ...): Lightning validates its arguments there."""
+    tb = err.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if code.co_name == "__init__" and code.co_filename.endswith(os.path.join("pytorch", "trainer", "trainer.py")):
+            return True
+        tb = tb.tb_next
+    return False
+
+
+def _one_line(err: BaseException, args: list[str] | None = None) -> tuple[str, int] | None:
     """The one line (and exit code) for an error the user caused, or None for a real bug.
     Errors raised while jsonargparse instantiates a class arrive wrapped, so walk the chain."""
     seen = err
@@ -190,7 +227,11 @@ def _one_line(err: BaseException) -> tuple[str, int] | None:
             return str(seen), 3
         seen = seen.__cause__ or seen.__context__
     if type(err).__name__ == "ArgumentError":  # jsonargparse's parse errors (exit_on_error=False)
-        return _summarise_parse_error(str(err)), 2
+        return _summarise_parse_error(str(err), args), 2
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    if isinstance(err, (ValueError, TypeError, MisconfigurationException)) and _raised_by_trainer_init(err):
+        return f"trainer: {' '.join(str(err).split())}", 2
     return None
 
 
@@ -229,7 +270,7 @@ def main(args: list[str] | None = None) -> None:
         print(f"error: {_interrupted_line(err)}", file=sys.stderr)
         sys.exit(128 + err.signum)
     except Exception as err:
-        reported = _one_line(err)
+        reported = _one_line(err, args)
         finish_wandb(exit_code=1)
         if reported is None:
             raise

@@ -83,6 +83,9 @@ class FederatedCallback(L.Callback):
         super().__init__()
         if collapse_rounds < 0:
             raise FLUserError(f"federation.collapse_rounds must be >= 0 (0 = off), got {collapse_rounds}")
+        if local_eval_samples < 0:
+            raise FLUserError(f"federation.local_eval_samples must be >= 0 (0 = the whole test set), "
+                              f"got {local_eval_samples}")
         self.eval_local_models = eval_local_models
         self.local_eval_samples = local_eval_samples
         self.on_divergence = on_divergence

@@ -27,7 +27,10 @@ from fl_lightning.errors import FLUserError
 
 
 class PersonalizationCallback(L.Callback):
-    """Args:
+    """Personalised evaluation: fine-tunes a copy of the global model on every client and reports
+    its accuracy on the client's own test set (the global model is never changed).
+
+    Args:
         enabled: run personalised evaluation at all.
         epochs: fine-tuning epochs at which each client's model is evaluated (cumulative, e.g.
             [1, 5] = FedSOL-FT's e = 1 and e = 5 from one 5-epoch fine-tuning).
@@ -35,11 +38,14 @@ class PersonalizationCallback(L.Callback):
             loss `finetune_loss` (FedDr+FT), with the global model as the frozen teacher.
         finetune: "trainable" = the parameters the method trains locally (a frozen classifier stays
             frozen); "all" = every parameter, frozen head included (FedBABU-FT).
-        lr: fine-tuning lr (None = the method's initial lr); momentum, weight_decay: its SGD.
+        lr: fine-tuning lr (None = the method's initial lr).
+        momentum: momentum of the fine-tuning SGD.
+        weight_decay: weight decay of the fine-tuning SGD.
         every_n_rounds: also evaluate during training after every n rounds (0 = only at the end).
         at_end: evaluate after training.
         local_only: also train each client alone from the initial model for `local_only_epochs`
             epochs (same objective/optimizer) and report it.
+        local_only_epochs: epochs of that local-only training.
         max_clients: evaluate only the first n clients (0 = all), to bound the cost.
         seed: shuffling seed of the fine-tuning batches.
     """

@@ -15,6 +15,7 @@ from fl_lightning.methods.fedconst import (
     orthogonal_direction,
     project_joint,
     project_sequential,
+    rows,
     unit_rows,
 )
 from fl_lightning.models import build_model
@@ -187,3 +188,77 @@ def test_fedconst_models_have_no_bias_and_no_norm(name, size):
     out = model(torch.randn(2, 3, size, size))
     assert out.shape == (2, 10)
     assert model.features(torch.randn(1, 3, size, size)).shape[1] == model.feature_dim
+
+
+def _cosines(delta: torch.Tensor, wg: torch.Tensor) -> tuple[float, float]:
+    """max over channels of |cos(1, Delta_c)| and |cos(w_g,c, Delta_c)|."""
+    ones = torch.ones_like(wg)
+    cos_1 = (delta * ones).sum(1).abs() / (delta.norm(dim=1) * ones.norm(dim=1))
+    cos_w = (delta * wg).sum(1).abs() / (delta.norm(dim=1) * wg.norm(dim=1))
+    return float(cos_1.max()), float(cos_w.max())
+
+
+@pytest.mark.parametrize("mode", ["joint", "sequential"])
+def test_float64_weights_are_constrained_in_float64(mode):
+    """A float64 model keeps both invariants to ~1e-15 in cosine over many steps (a float32
+    projection leaves ~1e-7), and the projection loses nothing to float32 rounding: after every
+    step the weights equal w_g + P(w - w_g) computed independently in float64 (normal equations)."""
+    from fl_lightning.methods.fedconst import ChannelConstraint
+
+    g = torch.Generator().manual_seed(0)
+    model = torch.nn.Linear(37, 6, bias=False).double()
+    with torch.no_grad():
+        model.weight.copy_(torch.randn(6, 37, generator=g, dtype=torch.float64) + 0.3)
+    wg = model.weight.detach().clone()
+    constraint = ChannelConstraint(mode, {"weight": wg}, ["weight"])
+    for _ in range(20):  # 20 "optimizer steps": a random move, then the constraint
+        with torch.no_grad():
+            before = model.weight.detach().clone() + 1e-2 * torch.randn(6, 37, generator=g, dtype=torch.float64)
+            model.weight.copy_(before)
+        constraint.apply(model)
+        assert model.weight.dtype == torch.float64
+        delta = model.weight.detach() - wg
+        expected = torch.empty_like(delta)
+        for c in range(6):
+            if mode == "joint":
+                a = torch.stack([torch.ones(37, dtype=torch.float64), wg[c]], dim=1)
+                proj = torch.eye(37, dtype=torch.float64) - a @ torch.linalg.solve(a.T @ a, a.T)
+                expected[c] = proj @ (before[c] - wg[c])
+            else:  # centre, then remove the component along w_g,c / ||w_g,c||
+                d = (before[c] - wg[c]) - (before[c] - wg[c]).mean()
+                p = wg[c] / wg[c].norm()
+                expected[c] = d - (d @ p) * p
+        assert float((delta - expected).abs().max()) < 1e-12 * float(expected.abs().max())
+        cos_1, cos_w = _cosines(delta, wg)
+        assert cos_w < 1e-12, cos_w
+        if mode == "joint":
+            assert cos_1 < 1e-12, cos_1
+
+
+def test_float64_training_keeps_the_constraints_to_1e_12():
+    """Real local training (momentum, weight decay, 3 clients, aggregation) with a float64 model
+    (`precision="64-true"`): per-channel residuals relative to the channel norms stay below 1e-12."""
+    x, y = _images()
+    torch.manual_seed(0)
+    dm = one_client_module(x, y, num_classes=3, num_clients=3, batch_size=4, local_epochs=3)
+    method = FedAvg(model="lenet5_nobias", lr=0.05, momentum=0.9, weight_decay=1e-3,
+                    constraint="joint", data_spec=dm.spec)
+    w_g = {k: v.detach().double().clone() for k, v in method.model.state_dict().items()}
+    uploads = _capture_uploads(method)
+    fit(method, dm, precision="64-true")
+    names = constrained_names(method.model)
+    assert method.model.body[0].weight.dtype == torch.float64
+    for weights in [u.tensors for u in uploads] + [method.model.state_dict()]:
+        for n in names:
+            wg, delta = rows(w_g[n]), rows(weights[n]) - rows(w_g[n])
+            assert weights[n].dtype == torch.float64
+            # Every channel, relative to ||w_g,c||: float64 rounding of w_c itself (~1e-16).
+            scale = wg.norm(dim=1)
+            assert float(((delta.sum(1) / wg.shape[1] ** 0.5) / scale).abs().max()) < 1e-13
+            assert float(((delta * wg).sum(1) / scale**2).abs().max()) < 1e-13
+            # In cosine, over channels that moved: a channel behind a dead ReLU only sees weight
+            # decay, whose move along w_g,c is projected away, so its Delta_c is rounding noise.
+            moved = delta.norm(dim=1) > 1e-3 * scale
+            assert int(moved.sum()) >= 1
+            cos_1, cos_w = _cosines(delta[moved], wg[moved])
+            assert cos_1 < 1e-12 and cos_w < 1e-12, (n, cos_1, cos_w)

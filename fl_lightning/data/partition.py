@@ -152,7 +152,7 @@ def split_train_test(
 ) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Split every client's indices into its own train and test set (e.g. 75/25)."""
     if not 0 < test_fraction < 1:
-        raise FLUserError(f"test_fraction must be in (0, 1), got {test_fraction}")
+        raise FLUserError(f"client_test_fraction must be in (0, 1) (the FedORGP papers use 0.25), got {test_fraction}")
     rng = np.random.default_rng(seed)
     train, test = [], []
     for client, idx in enumerate(parts):

@@ -39,14 +39,27 @@ from fl_lightning.methods.fedconst import CONSTRAINT_MODES, ChannelConstraint, c
 from fl_lightning.models import FLModel, build_model
 
 
+def abstract_base(cls: type) -> type:
+    """Marks a base class that is not a method of its own (FederatedMethod, HeteroMethod, ...): it
+    cannot be instantiated, and the CLI's `--help` and unknown-method list, which skip abstract
+    classes, do not offer it. Unlike ABCMeta's flag, this one is not inherited: subclasses are
+    concrete methods unless marked too."""
+    cls.__abstractmethods__ = frozenset({"(a base class, not a method)"})
+    return cls
+
+
+@abstract_base
 class FederatedMethod(L.LightningModule):
     """FedAvg's behaviour is the default of every hook; methods override what differs.
 
     Args:
         model: architecture name (see `fl_lightning.models.MODELS`).
-        lr, momentum, weight_decay: the local SGD optimizer (state reset for every client, every round).
+        lr: learning rate of the local SGD (its state is reset for every client, every round).
+        momentum: momentum of the local SGD.
+        weight_decay: weight decay of the local SGD.
         lr_decay: local lr multiplied by this after every round (FedSOL: 0.99).
         lr_milestones: if set, multi-step decay instead: lr x `lr_milestone_gamma` at these rounds.
+        lr_milestone_gamma: the factor of that multi-step decay.
         server_lr: global step size on the averaged update (1.0 = plain FedAvg).
         data_spec: classes / channels / image size; the CLI links it from the data module.
         constraint: FedCONST's per-channel convex constraints on the local update (see
@@ -76,6 +89,13 @@ class FederatedMethod(L.LightningModule):
             raise FLUserError("the method needs data_spec (the CLI links it from --data.dataset)")
         if lr <= 0 or server_lr <= 0:
             raise FLUserError(f"lr and server_lr must be > 0, got {lr} and {server_lr}")
+        if momentum < 0 or weight_decay < 0:
+            raise FLUserError(f"momentum and weight_decay must be >= 0, got {momentum} and {weight_decay}")
+        if lr_decay <= 0 or lr_milestone_gamma <= 0:
+            raise FLUserError(f"lr_decay and lr_milestone_gamma must be > 0 (1 = no decay), got {lr_decay} and "
+                              f"{lr_milestone_gamma}")
+        if lr_milestones and any(m < 1 for m in lr_milestones):
+            raise FLUserError(f"lr_milestones are rounds >= 1, e.g. [160, 240], got {lr_milestones}")
         if constraint not in CONSTRAINT_MODES:
             raise FLUserError(f"constraint must be one of {', '.join(CONSTRAINT_MODES)}, got '{constraint}'")
         self.save_hyperparameters()

@@ -51,7 +51,10 @@ from fl_lightning.models import FLModel
 
 
 class Ditto(FederatedMethod):
-    """Args:
+    """Ditto (Li et al., ICML 2021): a FedAvg global model, and per client a personal model v_k
+    trained toward it.
+
+    Args:
         lam: weight lambda of the proximal term (lambda / 2) * ||v_k - w_g||^2 of the personal
             objective (official code's runs: 1.0). 0 trains v_k as a purely local model.
     """

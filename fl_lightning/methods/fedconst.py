@@ -40,6 +40,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from fl_lightning.errors import FLUserError
+
 ConstraintMode = Literal["none", "joint", "sequential"]
 CONSTRAINT_MODES = ("none", "joint", "sequential")
 
@@ -98,12 +100,15 @@ class ChannelConstraint:
     def __init__(self, mode: ConstraintMode, global_weights: Mapping[str, torch.Tensor],
                  names: Iterable[str]):
         if mode not in ("joint", "sequential"):
-            raise ValueError(f"constraint mode must be joint or sequential, got {mode!r}")
+            raise FLUserError(f"constraint mode must be joint or sequential, got {mode!r}")
         self.mode = mode
         self.global_rows: dict[str, torch.Tensor] = {}
         self.directions: dict[str, torch.Tensor] = {}
         for n in names:
-            wg = rows(global_weights[n].detach()).float()
+            w = global_weights[n].detach()
+            # In the weights' own precision (float64 stays float64, so the invariants hold to
+            # ~1e-15); only half-precision weights are computed in float32.
+            wg = rows(w).to(torch.promote_types(w.dtype, torch.float32))
             self.global_rows[n] = wg
             self.directions[n] = orthogonal_direction(wg) if mode == "joint" else unit_rows(wg)
 
@@ -113,8 +118,8 @@ class ChannelConstraint:
         named = dict(model.named_parameters())
         for n, wg in self.global_rows.items():
             p = named[n]
-            delta = _centre_then_remove_(rows(p).float() - wg, self.directions[n])
-            if p.dtype == torch.float32 and p.is_contiguous():
+            delta = _centre_then_remove_(rows(p).to(wg.dtype) - wg, self.directions[n])
+            if p.dtype == wg.dtype and p.is_contiguous():
                 torch.add(wg, delta, out=p.view(wg.shape))  # writes the weights in place
             else:
                 p.copy_((wg + delta).view(p.shape))

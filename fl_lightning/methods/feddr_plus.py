@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from fl_lightning.errors import FLUserError
 from fl_lightning.methods.frozen_classifier import (
     FrozenClassifierMethod,
     dot_regression_loss,
@@ -44,7 +45,7 @@ class FedDrPlus(DotRegression):
     def __init__(self, beta: float = 0.9, **kwargs):
         super().__init__(**kwargs)
         if not 0.0 <= beta <= 1.0:
-            raise ValueError(f"beta must be in [0, 1], got {beta}")
+            raise FLUserError(f"FedDrPlus beta must be in [0, 1] (paper 0.9; 1 is plain dot-regression), got {beta}")
         self.save_hyperparameters()
 
     def objective(self, model: FLModel, x: torch.Tensor, y: torch.Tensor, teacher: FLModel | None = None,

@@ -25,7 +25,10 @@ from fl_lightning.methods.common import ServerStateMixin, state_or_zeros, to_cpu
 
 
 class FedDyn(ServerStateMixin, FederatedMethod):
-    """Args:
+    """FedDyn (Acar et al., ICLR 2021): a dynamic regulariser that aligns local and global
+    stationary points.
+
+    Args:
         alpha: weight of the dynamic regulariser (FedSOL paper 0.1).
     """
 

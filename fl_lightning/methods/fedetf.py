@@ -39,7 +39,9 @@ def balanced_softmax_loss(logits: torch.Tensor, y: torch.Tensor, class_counts: t
 
 
 class FedETF(FrozenClassifierMethod):
-    """Args:
+    """FedETF: a fixed simplex-ETF classifier behind a learnable projection, balanced softmax locally.
+
+    Args:
         proj_dim: output size of the projection layer (0 = the body's feature size; must be >= classes).
         temperature: initial value of the learnable temperature.
         balanced_loss: balanced softmax locally (the paper); False = plain CE.

@@ -31,7 +31,10 @@ def fedexp_step_size(deltas: list[dict[str, torch.Tensor]], weights: list[float]
 
 
 class FedExP(ServerStateMixin, FederatedMethod):
-    """Args:
+    """FedExP (Jhunjhunwala et al., ICLR 2023): an adaptive server step size from the clients'
+    updates (extrapolation).
+
+    Args:
         eps: the step-size denominator's regulariser (paper 1e-3).
     """
 

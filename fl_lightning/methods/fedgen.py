@@ -90,7 +90,8 @@ class FedGen(LGFedAvg):
 
     Args:
         gen_weight: weight of the clients' CE on generated features (HtFLlib: 1).
-        noise_dim, hidden_dim: generator sizes (HtFLlib: 512, 512).
+        noise_dim: size of the generator's noise input (HtFLlib: 512).
+        hidden_dim: width of the generator's hidden layer (HtFLlib: 512).
         generator_lr: Adam learning rate of the generator (HtFLlib: 0.005).
         server_steps: generator steps per round (HtFLlib's `server_epochs`, 100).
         server_batch_size: generated samples per server step (HtFLlib: the client batch size, 32 in

@@ -32,7 +32,10 @@ def ntd_loss(logits: torch.Tensor, global_logits: torch.Tensor, y: torch.Tensor,
 
 
 class FedNTD(FederatedMethod):
-    """Args:
+    """FedNTD (Lee et al., NeurIPS 2022): local CE plus distillation of the global model's
+    not-true-class logits.
+
+    Args:
         beta: weight of the not-true distillation loss (paper 1.0).
         tau: distillation temperature (paper 1.0).
     """

@@ -15,7 +15,9 @@ from fl_lightning.methods.base import FederatedMethod
 
 
 class FedProx(FederatedMethod):
-    """Args:
+    """FedProx (Li et al., MLSys 2020): local CE plus (mu / 2) ||w - w_g||^2.
+
+    Args:
         mu: weight of the proximal term (FedSOL paper 1.0; FedCONST paper 0.01).
     """
 

@@ -35,7 +35,9 @@ def sam_perturbation(params: list[torch.Tensor], grads: list[torch.Tensor], rho:
 
 
 class FedSAM(FederatedMethod):
-    """Args:
+    """FedSAM: sharpness-aware minimisation (SAM) in every local step.
+
+    Args:
         rho: SAM radius (FedSOL paper 0.1; the official code's default 0.5).
     """
 
@@ -63,7 +65,9 @@ class FedSAM(FederatedMethod):
 
 
 class FedASAM(FedSAM):
-    """Args:
+    """FedASAM: FedSAM with adaptive, scale-invariant (ASAM) perturbations.
+
+    Args:
         rho: ASAM radius (FedSOL paper 1.0).
     """
 

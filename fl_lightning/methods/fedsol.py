@@ -46,7 +46,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import FederatedMethod, abstract_base
 
 Scope = Literal["head", "body", "all"]
 STRATEGIES = ("A0", "A1", "A2", "A3", "A4", "A5", "A6")
@@ -118,6 +118,7 @@ class _FeaturesAndLogits(nn.Module):
         return features, self.model.head(features)
 
 
+@abstract_base
 class ProximalMethod(FederatedMethod):
     """Shared by FedSOL and the projection baseline: the proximal loss L_p(w; w_g).
 
@@ -232,6 +233,8 @@ class FedSOL(ProximalMethod):
         super().__init__(**kwargs)
         if rho < 0:
             raise FLUserError(f"rho must be >= 0, got {rho}")
+        if beta < 0 or min_grad_norm < 0:
+            raise FLUserError(f"beta and min_grad_norm must be >= 0, got {beta} and {min_grad_norm}")
         if strategy not in STRATEGIES:
             raise FLUserError(f"strategy must be one of {', '.join(STRATEGIES)}, got '{strategy}'")
         self.save_hyperparameters()

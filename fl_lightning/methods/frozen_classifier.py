@@ -30,7 +30,7 @@ from torch import nn
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import ClientUpload, weighted_average
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import FederatedMethod, abstract_base
 from fl_lightning.models import FLModel, build_model
 
 
@@ -90,6 +90,7 @@ def feature_distillation_loss(features: torch.Tensor, teacher_features: torch.Te
     return ((features - teacher_features) ** 2).sum(dim=1).mean() / features.shape[1]
 
 
+@abstract_base
 class FrozenClassifierMethod(FederatedMethod):
     """Base of the frozen-classifier family. Subclasses choose the head in `build_network` and their
     local objective in `objective(model, x, y, teacher)` (also used by personalised fine-tuning

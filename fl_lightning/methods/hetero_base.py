@@ -37,7 +37,7 @@ from torch import nn
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import ClientUpload
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import FederatedMethod, abstract_base
 from fl_lightning.models.base import FLModel
 from fl_lightning.models.hetero import build_client_models, client_architecture, group_members
 
@@ -58,13 +58,17 @@ class NoGlobalModel(FLModel):
         )
 
 
+@abstract_base
 class HeteroMethod(FederatedMethod):
     """Holds one persistent model per client and runs the per-client personalised evaluation.
 
     Args:
         model: a model group (HMG3, HMG5, HMG8, HMG10) or a comma-separated list of architectures.
         feature_dim: K, the common feature size of every client's body (heads are Linear(K, C)).
-        lr, momentum, weight_decay, lr_decay: the local SGD (HtFL papers: lr 0.01, plain SGD, no decay).
+        lr: learning rate of the local SGD (HtFL papers: 0.01).
+        momentum: momentum of the local SGD (HtFL papers: 0, plain SGD).
+        weight_decay: weight decay of the local SGD (HtFL papers: 0).
+        lr_decay: local lr multiplied by this after every round (HtFL papers: 1, no decay).
     """
 
     has_global_model = False
@@ -199,11 +203,25 @@ class HeteroMethod(FederatedMethod):
         """Hook: load what the server sends into the installed client (shared model, W_h, ...)."""
 
     def training_step(self, batch, batch_idx: int):
-        if len(batch[1]) < 2:
-            # BatchNorm cannot train on one sample once the map is 1x1 (MobileNetV2 on 32x32), so a
-            # trailing one-sample batch is skipped.
+        if self.drops_batch(len(batch[1])):
             return None
         return super().training_step(batch, batch_idx)
+
+    def drops_batch(self, size: int) -> bool:
+        """Whether a local batch of `size` samples is skipped: the incomplete last batch of every
+        local epoch, as HtFLlib (the code behind the FedORGP tables) drops it (`drop_last=True`).
+
+        Why it matters: MobileNetV2 and GoogLeNet on 32x32 inputs end in 1x1 maps, where a
+        train-mode BatchNorm normalises only `size` values per channel. With 2 values its output is
+        +-1 whatever the input, so the true gradient is 0 and backward returns the eps-dominated
+        derivative, up to 1/sqrt(eps) ~ 316 per layer; chained through the network a 2-sample tail
+        gave a gradient norm of 1e7 and NaN weights in the next round (issue 9, finding 8). A
+        client smaller than one batch keeps its only batch (one sample cannot be normalised).
+        """
+        full = self.trainer.datamodule.hparams.batch_size
+        if self.current_num_samples >= full:
+            return size < full
+        return size < 2
 
     def upload(self) -> dict[str, torch.Tensor]:
         """What the installed client sends; the only thing that crosses the network."""

@@ -130,6 +130,8 @@ class KNNPer(FedAvg):
         lam: the fixed weight of p_kNN in the mixture, in [0, 1] (used when `lam_grid` is None).
         lam_grid: candidate weights; each client picks the one with the best accuracy on a held-out
             `lam_holdout` fraction of its training data (split seeded by `lam_seed` and the client).
+        lam_holdout: the fraction of a client's training data held out to pick lam from lam_grid.
+        lam_seed: seed of that held-out split.
     """
 
     def __init__(self, num_neighbors: int = 10, temperature: float | None = None,

@@ -35,7 +35,10 @@ def moon_contrastive_loss(z: torch.Tensor, z_global: torch.Tensor, z_prev: torch
 
 
 class MOON(ServerStateMixin, FederatedMethod):
-    """Args:
+    """MOON (Li et al., CVPR 2021): a model-contrastive loss pulls the local representation toward
+    the global model's and away from the client's previous one.
+
+    Args:
         mu: weight of the contrastive loss (FedSOL paper 0.1).
         tau: temperature of the contrastive loss (FedSOL paper 0.5).
     """

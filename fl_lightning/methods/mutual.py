@@ -31,6 +31,7 @@ from torch import nn
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import ClientUpload, weighted_average
+from fl_lightning.methods.base import abstract_base
 from fl_lightning.methods.hetero_base import HeteroMethod
 from fl_lightning.models.hetero import build_group_model
 
@@ -40,6 +41,7 @@ def kl_to(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
     return F.kl_div(F.log_softmax(logits, 1), F.softmax(target_logits.detach(), 1), reduction="batchmean")
 
 
+@abstract_base
 class SharedModelMethod(HeteroMethod):
     """Keeps the server's shared model and the installed client's working copy of it.
 
@@ -69,7 +71,12 @@ class SharedModelMethod(HeteroMethod):
 
 
 class FML(SharedModelMethod):
-    """Federated Mutual Learning. Args: alpha, beta: CE weights of the local and shared model."""
+    """Federated Mutual Learning (Shen et al.): each client's model and the shared model teach each other.
+
+    Args:
+        alpha: weight of CE in the client model's loss (1 - alpha: KL to the shared model).
+        beta: weight of CE in the shared model's loss (1 - beta: KL to the client model).
+    """
 
     def __init__(self, alpha: float = 0.5, beta: float = 0.5, **kwargs):
         super().__init__(**kwargs)
@@ -130,7 +137,8 @@ class FedKD(SharedModelMethod):
     """FedKD: adaptive mutual distillation with hidden-state alignment and SVD-compressed exchange.
 
     Args:
-        energy_start, energy_end: the SVD energy threshold T, linear over the rounds.
+        energy_start: the SVD energy threshold T in the first round (T is linear over the rounds).
+        energy_end: the SVD energy threshold T in the last round.
     """
 
     def __init__(self, energy_start: float = 0.95, energy_end: float = 0.98, **kwargs):

@@ -69,7 +69,10 @@ def split_halves(x: torch.Tensor, y: torch.Tensor):
 
 
 class PerFedAvg(FederatedMethod):
-    """Args:
+    """Per-FedAvg (Fallah et al., NeurIPS 2020): a MAML-style global model that each client
+    personalises with a few SGD steps.
+
+    Args:
         alpha: step size of the inner (personalisation) step, also of `personal_model`'s
             adaptation. beta, the outer step size, is `lr`.
         variant: "fo" (first-order, default) or "hf" (Hessian-free, finite-difference

@@ -70,9 +70,10 @@ import torch
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import ClientUpload, weighted_average
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import FederatedMethod, abstract_base
 
 
+@abstract_base
 class PersonalHeadMethod(FederatedMethod):
     """Shared body averaged by the server, personal head kept by each client (FedPer, FedRep).
 

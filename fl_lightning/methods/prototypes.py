@@ -30,6 +30,7 @@ from torch import nn
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import ClientUpload
+from fl_lightning.methods.base import abstract_base
 from fl_lightning.methods.hetero_base import HeteroMethod
 
 PROTO_PREFIX = "proto/"
@@ -167,6 +168,7 @@ def separation(
 
 
 # ---- the methods ---------------------------------------------------------------------------------
+@abstract_base
 class PrototypeMethod(HeteroMethod):
     """Clients upload class prototypes; the server holds global prototypes as buffers.
 
@@ -262,7 +264,9 @@ class FedTGP(PrototypeMethod):
     """FedTGP (Zhang et al., AAAI 2024): trainable global prototypes with an adaptive margin.
 
     Args:
-        server_epochs, server_lr, server_batch_size: server training on the prototype pairs.
+        server_epochs: epochs of the server's training on the prototype pairs (paper: 100).
+        server_lr: SGD learning rate of that training.
+        server_batch_size: prototype pairs per server step.
         margin_threshold: the margin is min(max_c gap_c, threshold), gap_c = distance from class
             c's mean client prototype to the nearest other class's.
     """
@@ -321,9 +325,12 @@ class FedORGP(PrototypeMethod):
 
     Args:
         lambda_c: weight of the local cosine alignment (paper best 100; the authors' scripts use 10).
-        lambda_s, lambda_d: intra-class similarity and inter-class orthogonality weights of L_OR.
+        lambda_s: weight of the intra-class similarity term of L_OR.
+        lambda_d: weight of the inter-class orthogonality term of L_OR.
         orthogonality: False gives the "w/o OR" ablation (global prototypes = mean of client ones).
-        server_epochs, server_lr, server_batch_size: server training (paper: 1 epoch, SGD 0.01, 32).
+        server_epochs: epochs of the server's training of the prototypes (paper: 1).
+        server_lr: SGD learning rate of that training (paper: 0.01).
+        server_batch_size: prototype pairs per server step (paper: 32).
         predict: "head" (paper) or "proto".
     """
 

@@ -24,7 +24,9 @@ DELTA_C = "scaffold.delta_c."
 
 
 class SCAFFOLD(ServerStateMixin, FederatedMethod):
-    """Args:
+    """SCAFFOLD (Karimireddy et al., ICML 2020): control variates correct the clients' drift.
+
+    Args:
         momentum_correction: K_eff from the momentum (official code) instead of the plain step count K.
     """
 

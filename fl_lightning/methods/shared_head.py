@@ -17,12 +17,14 @@ from torch import nn
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import ClientUpload, weighted_average
+from fl_lightning.methods.base import abstract_base
 from fl_lightning.methods.hetero_base import HeteroMethod
 from fl_lightning.methods.prototypes import class_prototypes, prototype_upload, train_on_pairs, uploaded_pairs
 
 HEAD_PREFIX = "head."
 
 
+@abstract_base
 class SharedHeadMethod(HeteroMethod):
     """Holds the global head and sends it to every client."""
 
@@ -61,7 +63,9 @@ class FedGH(SharedHeadMethod):
     """FedGH: the server trains a generalised global head on the clients' class prototypes.
 
     Args:
-        server_epochs, server_lr, server_batch_size: server training of the head.
+        server_epochs: epochs of the server's training of the head on the prototypes.
+        server_lr: SGD learning rate of that training.
+        server_batch_size: prototypes per server step.
     """
 
     def __init__(

@@ -48,7 +48,10 @@ def least_squares_classifier(grams, crosses, ridge: float) -> torch.Tensor:
 
 
 class SphereFed(FrozenClassifierMethod):
-    """Args:
+    """SphereFed (Dong et al., ECCV 2022): a fixed orthonormal classifier, MSE loss on the
+    hypersphere, and a closed-form classifier recalibration at the end.
+
+    Args:
         recalibrate: replace the classifier by the closed-form least-squares solution at the end of
             training (SphereFed's calibration step).
         recalibration_ridge: lambda of that solve (keeps it well-posed when d > samples).

@@ -1,0 +1,169 @@
+"""Malformed command lines and configs, tried the way users get them wrong: every one ends with
+exit code 2 and one line on stderr that names the option and says what it accepts. Also: every
+option a user can set has a one-line help, and only real methods are offered as methods."""
+
+from pathlib import Path
+
+import pytest
+from jsonargparse import ArgumentParser
+
+from fl_lightning import methods
+from fl_lightning.cli import _method_names, main
+from fl_lightning.data.datamodule import FederatedDataModule
+from fl_lightning.federation import FederatedCallback
+from fl_lightning.personalization import PersonalizationCallback
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = ["--config", str(REPO / "configs/fedsol_mnist5k.yaml"), "--data.dataset", "digits",
+        "--model.init_args.model", "mlp", "--trainer.max_epochs", "1", "--trainer.logger", "false",
+        "--data.num_clients", "4"]
+
+CONFIG_FILES = {
+    "empty.yaml": "",
+    "list.yaml": "- trainer\n- model\n",
+    "scalar.yaml": "just a sentence\n",
+    "syntax.yaml": "model: [unclosed\n",
+    "tabs.yaml": "trainer:\n\tmax_epochs: 1\n",
+    "unknown_section.yaml": "traner:\n  max_epochs: 1\n",
+    "typo_data.yaml": "data:\n  datset: digits\n",
+}
+
+# (arguments after BASE, or after "fit" when they start with --config FILE; what the line must contain)
+MALFORMED = [
+    # config files
+    (["CONFIG", "empty.yaml"], ["empty.yaml is empty", "trainer, model, data"]),
+    (["CONFIG", "list.yaml"], ["list.yaml holds a list", "mapping of sections"]),
+    (["CONFIG", "scalar.yaml"], ["scalar.yaml holds a str", "mapping of sections"]),
+    (["CONFIG", "syntax.yaml"], ["syntax.yaml is not valid YAML", "line 2"]),
+    (["CONFIG", "tabs.yaml"], ["tabs.yaml is not valid YAML", "line 2"]),
+    (["CONFIG", "unknown_section.yaml"], ["unknown option 'traner.max_epochs'", "did you mean 'trainer.max_epochs'"]),
+    (["CONFIG", "typo_data.yaml"], ["unknown option 'data.datset'", "did you mean 'data.dataset'"]),
+    (["CONFIG", "missing.yaml"], ["missing.yaml does not exist"]),
+    # unknown options and subcommands
+    (["--data.datset", "digits"], ["--data.datset", "did you mean 'data.dataset'"]),
+    (["--trainer.max_epochz", "3"], ["--trainer.max_epochz", "did you mean 'trainer.max_epochs'"]),
+    (["--model.init_args.rhoo", "1"], ["model.init_args.rhoo", "did you mean 'rho'"]),
+    (["--model", "FedSOL", "--model.init_args.lam", "1"], ["model.init_args.lam", "FedSOL's options: rho"]),
+    (["RAW"], ["no subcommand", "fit, validate, test"]),
+    (["RAW", "fitt"], ["unknown subcommand 'fitt'", "fit, validate, test"]),
+    (["RAW", "predict"], ["unknown subcommand 'predict'", "fit, validate, test"]),
+    (["--model", "FedFoo"], ["unknown method 'FedFoo'", "FedAvg", "FedSOL"]),
+    (["--model", "HeteroMethod"], ["unknown method 'HeteroMethod'", "FedORGP"]),
+    (["--model", "FederatedMethod"], ["unknown method 'FederatedMethod'", "FedAvg"]),
+    (["--model", "KNNPerModel"], ["unknown method 'KNNPerModel'", "KNNPer"]),
+    # wrong types
+    (["--model.init_args.lr", "[1,2]"], ["model.init_args.lr", "[1, 2]", "expected a number"]),
+    (["--model.init_args.lr", "abc"], ["model.init_args.lr", "'abc'", "expected a number"]),
+    (["--model.init_args.lr_milestones", "abc"], ["model.init_args.lr_milestones", "list of integers"]),
+    (["--trainer.max_epochs", "abc"], ["trainer.max_epochs", "'abc'", "an integer"]),
+    (["--trainer.precision", "banana"], ["trainer.precision", "'banana'", "bf16-mixed", "32-true", "64-true"]),
+    (["--trainer.precision", "8"], ["trainer.precision", "'8'", "bf16-mixed"]),
+    (["--data.num_clients", "2.5"], ["data.num_clients", "'2.5'", "an integer"]),
+    (["--data.to_rgb", "maybe"], ["data.to_rgb", "'maybe'", "true or false"]),
+    (["--seed_everything", "abc"], ["seed_everything", "'abc'", "an integer"]),
+    (["--personalization.epochs", "abc"], ["personalization.epochs", "list of integers"]),
+    # values outside a fixed set
+    (["--data.partition", "foo"], ["data.partition", "'foo'", "iid, dirichlet, shard, pathological"]),
+    (["--data.client_test", "foo"], ["data.client_test", "auto, split, partition, align"]),
+    (["--model.init_args.strategy", "A9"], ["model.init_args.strategy", "A0, A1, A2, A3, A4, A5, A6"]),
+    (["--model.init_args.adaptive", "foo"], ["model.init_args.adaptive", "layer, dim0, none"]),
+    (["--model.init_args.perturb", "foo"], ["model.init_args.perturb", "head"]),
+    (["--model.init_args.constraint", "both"], ["model.init_args.constraint", "none, joint, sequential"]),
+    (["--federation.on_divergence", "foo"], ["federation.on_divergence", "stop, skip_client"]),
+    (["--trainer.accelerator", "banana"], ["trainer", "accelerator", "cpu"]),
+    (["--trainer.devices", "abc"], ["trainer", "devices", "int > 0"]),
+    (["--trainer.max_epochs", "-5"], ["trainer", "max_epochs", "non-negative"]),
+    # values the method or data module refuses
+    (["--model", "FedDrPlus", "--model.init_args.beta", "2"], ["beta must be in [0, 1]", "2.0"]),
+    (["--model.init_args.lr", "-1"], ["lr and server_lr must be > 0"]),
+    (["--model.init_args.momentum", "-1"], ["momentum and weight_decay must be >= 0"]),
+    (["--model.init_args.weight_decay", "-1"], ["momentum and weight_decay must be >= 0"]),
+    (["--model.init_args.lr_decay", "0"], ["lr_decay", "must be > 0"]),
+    (["--model.init_args.lr_milestones", "[-1]"], ["lr_milestones are rounds >= 1"]),
+    (["--model.init_args.rho", "-1"], ["rho must be >= 0"]),
+    (["--model.init_args.beta", "-1"], ["beta and min_grad_norm must be >= 0"]),
+    (["--model.init_args.temperature", "0"], ["temperature must be > 0"]),
+    (["--model", "FedProx", "--model.init_args.mu", "-1"], ["mu must be >= 0"]),
+    (["--model", "FedDyn", "--model.init_args.alpha", "0"], ["alpha must be > 0"]),
+    (["--model", "MOON", "--model.init_args.tau", "0"], ["tau > 0"]),
+    (["--model", "FedExP", "--model.init_args.eps", "0"], ["eps must be > 0"]),
+    (["--model", "KNNPer", "--model.init_args.num_neighbors", "0"], ["num_neighbors must be >= 1"]),
+    (["--data.num_clients", "0"], ["num_clients must be >= 1"]),
+    (["--data.sample_ratio", "2"], ["sample_ratio must be in (0, 1]"]),
+    (["--data.batch_size", "0"], ["batch_size", "must be >= 1"]),
+    (["--data.eval_batch_size", "0"], ["eval_batch_size must be >= 1"]),
+    (["--data.num_workers", "-1"], ["num_workers and min_size must be >= 0"]),
+    (["--data.client_test_fraction", "1.5"], ["client_test_fraction must be in (0, 1)"]),
+    (["--data.resize", "0"], ["resize must be a positive image size"]),
+    (["--federation.local_eval_samples", "-1"], ["federation.local_eval_samples must be >= 0"]),
+    (["--federation.collapse_rounds", "-1"], ["federation.collapse_rounds must be >= 0"]),
+]
+
+
+def _args(extra, tmp_path):
+    if extra[:1] == ["RAW"]:
+        return extra[1:]
+    if extra[:1] == ["CONFIG"]:
+        for name, text in CONFIG_FILES.items():
+            (tmp_path / name).write_text(text)
+        return ["fit", "--config", str(tmp_path / extra[1]), "--trainer.default_root_dir", str(tmp_path / "run")]
+    return ["fit", *BASE, *extra, "--trainer.default_root_dir", str(tmp_path / "run")]
+
+
+@pytest.mark.parametrize("extra, needles", MALFORMED, ids=[" ".join(e) for e, _ in MALFORMED])
+def test_malformed_input_is_one_line_and_exit_2(extra, needles, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(_args(extra, tmp_path))
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert stop.value.code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def _options(cls) -> dict[str, str]:
+    """Each init option of `cls` as the CLI parser reads it, with its help text."""
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(cls, "x")
+    return {a.dest[2:]: (a.help or "").strip() for a in parser._actions
+            if a.dest.startswith("x.") and a.dest.count(".") == 1 and a.dest != "x.data_spec"}
+
+
+HELPED = [getattr(methods, n) for n in _method_names()] + [FederatedDataModule, FederatedCallback,
+                                                           PersonalizationCallback]
+
+
+@pytest.mark.parametrize("cls", HELPED, ids=[c.__name__ for c in HELPED])
+def test_every_option_has_a_one_line_help(cls):
+    options = _options(cls)
+    assert options
+    missing = [name for name, text in options.items() if not text]
+    assert not missing, f"{cls.__name__}: no help for {missing}"
+    # a docstring that opens with "Args:" shows an "Args::" heading instead of a description
+    assert not (cls.__doc__ or "").lstrip().startswith("Args:"), cls.__name__
+
+
+def test_only_concrete_methods_are_offered():
+    names = _method_names()
+    assert {"FedAvg", "FedSOL", "FedORGP", "KNNPer", "SphereFed"} <= set(names)
+    for base in ("FederatedMethod", "HeteroMethod", "KNNPerModel"):
+        assert base not in names
+    for hidden in ("PrototypeMethod", "SharedHeadMethod", "SharedModelMethod", "ProximalMethod",
+                   "FrozenClassifierMethod", "PersonalHeadMethod"):
+        assert hidden not in names
+    with pytest.raises(TypeError, match="abstract"):
+        methods.HeteroMethod()
+
+
+def test_help_lists_methods_not_bases_and_no_predict(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--help"])
+    out = capsys.readouterr().out
+    known = out[out.index("known") : out.index("Dataset, partition")]
+    assert "fl_lightning.methods.FedAvg" in known and "fl_lightning.methods.FedORGP" in known
+    for base in ("FederatedMethod,", "HeteroMethod", "PrototypeMethod", "SharedHeadMethod", "ProximalMethod"):
+        assert base not in known
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "predict" not in capsys.readouterr().out
