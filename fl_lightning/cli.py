@@ -3,7 +3,9 @@
 - `--model` takes any method class (`FedSOL`, `FedAvg`, ...; see fl_lightning.methods) and the
   data module's DataSpec (classes, channels, image size) is linked into it.
 - The federated callback is always present and configurable as `--federation.*`; personalised
-  evaluation (fine-tune per client, local-only baseline) as `--personalization.*` (off by default).
+  evaluation (fine-tune per client, local-only baseline) as `--personalization.*` (off by default);
+  analyses (divergence every round; Hessian spectrum and loss surface every n rounds, off by
+  default) as `--analysis.*`, and on a saved checkpoint with `fl-lightning analyze`.
 - Every round is checkpointed to `<trainer.default_root_dir>/checkpoints/last.ckpt`, so
   `--ckpt_path last` resumes the run configured in the same directory.
 - User errors (unknown names, impossible partitions, missing files) print one line, exit 2.
@@ -19,6 +21,8 @@ from pathlib import Path
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
+from fl_lightning.analysis.callback import AnalysisCallback
+from fl_lightning.analysis.command import FLTrainer
 from fl_lightning.data.datamodule import FederatedDataModule
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import FederatedCallback, FLDivergedError
@@ -31,6 +35,7 @@ class FLCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(FederatedCallback, "federation")
         parser.add_lightning_class_args(PersonalizationCallback, "personalization")
+        parser.add_lightning_class_args(AnalysisCallback, "analysis")
         parser.link_arguments("data.spec", "model.init_args.data_spec", apply_on="instantiate")
 
     def before_instantiate_classes(self) -> None:
@@ -60,12 +65,17 @@ class FLCLI(LightningCLI):
         # partition fails in seconds, before a logger run is created.
         self.datamodule.setup("fit")
 
-    before_validate = before_test = before_fit
+    before_validate = before_test = before_analyze = before_fit
 
     def after_fit(self) -> None:
         finish_wandb(exit_code=0)
 
-    after_validate = after_test = after_fit
+    after_validate = after_test = after_analyze = after_fit
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        # `analyze` (FLTrainer.analyze): the --analysis.* analyses of a checkpoint
+        return {**LightningCLI.subcommands(), "analyze": {"model", "datamodule"}}
 
     def _instantiate_trainer(self, config: dict, callbacks: list):
         # Added next to (not instead of) the user's trainer.callbacks, and only where the user has
@@ -139,6 +149,7 @@ def main(args: list[str] | None = None) -> None:
         FLCLI(
             FederatedMethod,
             FederatedDataModule,
+            trainer_class=FLTrainer,
             subclass_mode_model=True,
             trainer_defaults=TRAINER_DEFAULTS,
             save_config_kwargs={"overwrite": True},
