@@ -26,6 +26,7 @@ from fl_lightning.analysis.command import FLTrainer
 from fl_lightning.data.datamodule import FederatedDataModule
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import FederatedCallback, FLDivergedError
+from fl_lightning.loggers import describe_wandb_run
 from fl_lightning.methods import FederatedMethod
 from fl_lightning.personalization import PersonalizationCallback
 from fl_lightning.progress import RoundProgressBar
@@ -64,6 +65,7 @@ class FLCLI(LightningCLI):
         # Load and partition the data before the run starts, so a missing file or an impossible
         # partition fails in seconds, before a logger run is created.
         self.datamodule.setup("fit")
+        describe_wandb_run(self.trainer.loggers, self.config.get(self.subcommand, self.config))
 
     before_validate = before_test = before_analyze = before_fit
 

@@ -347,6 +347,10 @@ class AnalysisCallback(L.Callback):
             self._said.add(message)
             rank_zero_info(message)
 
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(surface=self.surface, every_n_rounds=self.every_n_rounds)
+
     def state_dict(self) -> dict[str, Any]:
         return {"table_rows": self._table_rows}
 

@@ -7,7 +7,9 @@
   reorthogonalisation (twice, against every stored vector) keeps Q orthonormal in float32, which
   plain three-term Lanczos does not (it then reports copies of the top eigenvalue).
   It stops when the top-k Ritz residuals |beta_m s_{m,i}| (the exact ||H y_i - theta_i y_i|| of
-  the Ritz pair) fall below `tol * |theta_i|`, or after `max_iter` products.
+  the Ritz pair) fall below `tol * |theta_i|`, or after `max_iter` products. From one start
+  vector it sees each distinct eigenvalue once: an exactly repeated one (e.g. from a symmetry of
+  the architecture) is reported once, followed by the next distinct value.
 - `hutchinson_trace`: tr(H) = E[z^T H z] for Rademacher z, with its standard error.
 - `hessian_spectrum(layerwise=True)`: lambda_1 of each layer's diagonal Hessian block (the other weights
   fixed), as FedSOL/SAM-style layer-wise sharpness plots show it.
