@@ -91,6 +91,9 @@ def test_logged_cosine_is_the_papers_whole_model_cos_gu_gp(perturb):
         names = list(gp) if scope == "all" else method.perturbed_names()
         logged = float(trainer.callback_metrics["fedsol/cos_update_prox"])
         assert logged == pytest.approx(cosine(gu, gp, names), abs=1e-5)
+        if scope == "all" and perturb != "all":  # the perturbed tensors' share, logged alongside
+            perturbed = float(trainer.callback_metrics["fedsol/cos_update_prox_perturbed"])
+            assert perturbed == pytest.approx(cosine(gu, gp, method.perturbed_names()), abs=1e-5)
         results[scope] = (logged, torch.cat([p.detach().flatten() for p in method.model.parameters()]))
     if perturb != "all":  # the two scopes measure different vectors, and training is the same
         assert abs(results["all"][0] - results["perturbed"][0]) > 1e-3

@@ -106,6 +106,14 @@ def project_out_conflict(grads: list[torch.Tensor], prox_grads: list[torch.Tenso
     return [g - (coef * p).to(g.dtype) for g, p in zip(grads, prox_grads, strict=True)], True
 
 
+def _cosine(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
+    """cos between two vectors given as lists of tensors (float32 sums)."""
+    dot = sum((u.float() * g.float()).sum() for u, g in zip(a, b, strict=True))
+    na = torch.sqrt(sum((u.float() ** 2).sum() for u in a))
+    nb = torch.sqrt(sum((g.float() ** 2).sum() for g in b))
+    return dot / (na * nb).clamp_min(1e-12)
+
+
 class _FeaturesAndLogits(nn.Module):
     """Lets one functional_call return both the features and the logits of a model."""
 
@@ -304,24 +312,26 @@ class FedSOL(ProximalMethod):
             loss = F.cross_entropy(logits_p, y) + h.beta * prox
         self.sgd_step(loss)
         cos_params = params + [named[n] for n in unperturbed]
-        self._log(loss, prox, len(y), cos_params, direction + rest if s != "A4" else None)
+        self._log(loss, prox, len(y), cos_params, direction + rest if s != "A4" else None, len(params))
         return loss.detach()
 
     @torch.no_grad()
-    def _log(self, loss, prox, batch_size: int, params=None, prox_grads=None) -> None:
+    def _log(self, loss, prox, batch_size: int, params=None, prox_grads=None, num_perturbed: int = 0) -> None:
         """Mean proximal loss and cos(g_u, g_p) per step, averaged over the round's steps: g_u =
         grad L_local(w + eps_p) (p.grad after the step: the optimizer adds momentum and weight
-        decay out of place), g_p = grad L_p at the unperturbed w, over `params` (`cosine_scope`).
-        The paper's Fig. 3 shows it moving towards 0 as rho grows."""
+        decay out of place), g_p = grad L_p at the unperturbed w, over `params` (`cosine_scope`),
+        whose first `num_perturbed` are the perturbed tensors. The paper's Fig. 3 shows it moving
+        towards 0 as rho grows. With scope "all" and tensors left unperturbed, the perturbed
+        tensors' own cosine is logged too (`fedsol/cos_update_prox_perturbed`)."""
         metrics = {"train/loss": loss.detach()}
         if prox is not None:
             metrics["fedsol/prox_loss"] = prox.detach()
         if prox_grads is not None:
             update = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            dot = sum((u.float() * g.float()).sum() for u, g in zip(update, prox_grads, strict=True))
-            nu = torch.sqrt(sum((u.float() ** 2).sum() for u in update))
-            ng = torch.sqrt(sum((g.float() ** 2).sum() for g in prox_grads))
-            metrics["fedsol/cos_update_prox"] = dot / (nu * ng).clamp_min(1e-12)
+            metrics["fedsol/cos_update_prox"] = _cosine(update, prox_grads)
+            if num_perturbed < len(params):
+                metrics["fedsol/cos_update_prox_perturbed"] = _cosine(update[:num_perturbed],
+                                                                      prox_grads[:num_perturbed])
         self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=batch_size)
 
 
