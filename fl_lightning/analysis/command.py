@@ -34,8 +34,18 @@ class FLTrainer(Trainer):
         checkpoint = _load(ckpt_path)
         _check_matches(model, checkpoint, ckpt_path)
         callback.forced = True
-        callback.checkpoint_round = int(checkpoint.get("epoch", -1)) + 1
+        callback.checkpoint_round = rounds_in(checkpoint)
         return self.validate(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=verbose)
+
+
+def rounds_in(checkpoint: dict) -> int:
+    """The rounds the checkpointed model has been through: the fit loop's started epochs, which is
+    the same whether Lightning saved it at validation end, train-epoch end or train end (its
+    `epoch` field differs between those by one)."""
+    try:
+        return int(checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]["started"])
+    except (KeyError, TypeError):
+        return int(checkpoint.get("epoch", -1)) + 1
 
 
 def _load(path: str) -> dict:
