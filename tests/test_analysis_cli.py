@@ -98,8 +98,7 @@ def test_analyze_a_checkpoint_gives_the_same_numbers(fitted, tmp_path):
     (["fit", "--analysis.surface", "sideways"], "analysis.surface"),
     (["fit", "--analysis.every_n_rounds", "1", "--analysis.top_k", "100000", "--analysis.max_hvps", "100000"],
      "analysis.top_k = 100000 but the model has only"),
-    # the model options come from the checkpoint (LightningCLI), its input size from the data config
-    (["analyze", "--data.dataset", "mnist5k"], "does not match the config"),
+    (["analyze", "--model.init_args.model", "fedavg_cnn"], "the checkpoint is of a different experiment"),
     (["analyze", "--plain-state-dict"], "not a Lightning checkpoint"),
     (["analyze", "--no-ckpt"], "analyze needs --ckpt_path"),
 ])
@@ -120,3 +119,35 @@ def test_bad_analysis_input_is_one_line_and_exit_2(fitted, tmp_path, capsys, ext
     assert code == 2, err
     assert err[-1].startswith("error: ") and message in err[-1], err[-1]
     assert not any("Traceback" in line for line in err)
+
+
+def test_metrics_csv_rows_equal_the_wandb_history_and_summary(fitted):
+    from fl_lightning.results import read_metrics, read_summary
+
+    recs = records(fitted)
+    by_round: dict = {}
+    for r in recs:
+        if r.WhichOneof("record_type") == "history":
+            # scalars only: media (images, tables, histograms) arrive as nested keys
+            row = {i.key or i.nested_key[0]: json.loads(i.value_json) for i in r.history.item
+                   if i.key or len(i.nested_key) == 1}
+            by_round.setdefault(row["round"], {}).update(row)
+    csv_rows = read_metrics(fitted / "metrics.csv")
+    assert [r["round"] for r in csv_rows] == [1, 2]
+    for row in csv_rows:
+        logged = by_round[row["round"]]
+        assert {k for k in row if k != "round"} == {k for k, v in logged.items() if isinstance(v, int | float)
+                                                    and not k.startswith("_") and k not in ("round", "epoch",
+                                                                                            "trainer/global_step")}
+        for key, value in row.items():
+            assert logged[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    summary = read_summary(fitted)
+    accuracy = [r["global/test_acc"] for r in csv_rows]
+    assert summary["best_round"] == 1 + max(range(len(accuracy)), key=accuracy.__getitem__)
+    assert summary["best_acc"] == max(accuracy) and summary["final_acc"] == accuracy[-1]
+    wandb_summary = {}
+    for r in recs:
+        if r.WhichOneof("record_type") == "summary":
+            wandb_summary.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.summary.update})
+    for key in ("final_acc", "final_round", "best_acc", "best_round", "rounds_completed", "finished"):
+        assert wandb_summary[key] == summary[key], key
