@@ -119,6 +119,7 @@ class Spectrum:
     layer_top: dict[str, float]
     num_hvps: int  # every product: Lanczos, trace probes, layer blocks
     lanczos_hvps: int
+    top_residuals: list[float]  # ||H y_i - lambda_i y_i|| bound of each top Ritz pair (converged: small)
     top_vectors: list[dict[str, torch.Tensor]]  # eigenvectors of the top eigenvalues, by parameter name
 
     def scalars(self) -> dict[str, float]:
@@ -130,6 +131,7 @@ class Spectrum:
             out["trace"], out["trace_stderr"] = self.trace, self.trace_stderr
         out.update({f"layer_lambda_1/{name}": v for name, v in self.layer_top.items()})
         out["hvps"], out["lanczos_hvps"] = float(self.num_hvps), float(self.lanczos_hvps)
+        out["lambda_1_rel_residual"] = self.top_residuals[0] / max(abs(self.top[0]), 1e-30)
         return out
 
 
@@ -166,6 +168,7 @@ def hessian_spectrum(objective: SubsetObjective, k: int = 5, max_iter: int = 40,
             layer_top[layer] = float(r.eigenvalues[0])
             objective.num_hvps += block.num_hvps
     vectors = [unflatten(v, objective.params) for v in result.eigenvectors]
+    residuals = [float(r) for r in result.residuals[:k]]
     return Spectrum(top, result.minimum, trace, stderr, layer_top, objective.num_hvps - start,
-                    result.num_matvecs, vectors)
+                    result.num_matvecs, residuals, vectors)
 
