@@ -3,6 +3,7 @@ exact Hessian of a tiny model, the Hutchinson trace within its standard error, s
 filter norms, a quadratic model's closed form), divergence statistics and partition counts by
 hand, and training that is bit for bit the same with every analysis on."""
 
+import json
 import math
 
 import numpy as np
@@ -17,7 +18,8 @@ from fl_lightning.analysis.divergence import classwise_accuracy, client_updates,
 from fl_lightning.analysis.hessian import hessian_spectrum, hutchinson_trace
 from fl_lightning.analysis.objective import SubsetObjective, flatten, unflatten
 from fl_lightning.analysis.surface import filter_normalized_direction, surface_2d
-from fl_lightning.methods import FedAvg, FedSOL
+from fl_lightning.data.partition import split_train_test
+from fl_lightning.methods import FedAvg, FedORGP, FedSOL
 from fl_lightning.models import FLModel, register_model
 
 
@@ -189,8 +191,6 @@ def test_partition_heatmap_counts_equal_the_partition(tmp_path):
     assert (counts == expected).all()
     method = FedAvg(model="mlp", data_spec=dm.spec)
     fit(method, dm, rounds=1, callbacks=[AnalysisCallback()], default_root_dir=str(tmp_path))
-    import json
-
     saved = json.loads((tmp_path / "analysis" / "partition.json").read_text())
     assert saved["counts"] == expected.tolist()
     assert (tmp_path / "analysis" / "partition.png").stat().st_size > 0
@@ -233,3 +233,20 @@ def test_analysis_on_or_off_trains_the_same_model_bit_for_bit(tmp_path, method_c
             assert (tmp_path / "True" / "analysis" / "round_002" / "analysis.json").exists()
     for key, value in results[0].items():
         assert torch.equal(value, results[1][key]), key
+
+
+def test_model_heterogeneous_method_analyses_client_models_and_says_which(tmp_path, caplog):
+    x, y = toy_data(n=60, num_classes=3)
+    parts = [list(range(0, 20)), list(range(20, 40)), list(range(40, 60))]
+    torch.manual_seed(0)
+    dm = fixed_parts_module(x, y, parts, num_classes=3, batch_size=10, client_test_fraction=0.25)
+    dm.client_parts, dm.client_test_parts = split_train_test(dm.client_parts, 0.25, 0)  # own test splits
+    method = FedORGP(model="mlp,mlp", feature_dim=8, data_spec=dm.spec)
+    analysis = AnalysisCallback(every_n_rounds=1, samples=30, top_k=2, max_hvps=6, trace_probes=0,
+                                layerwise=False, surface_points=3, max_client_models=2)
+    with caplog.at_level("INFO"):
+        fit(method, dm, rounds=1, callbacks=[analysis], default_root_dir=str(tmp_path))
+    assert "has no global model: analysing the models of clients [0, 1]" in caplog.text
+    result = json.loads((tmp_path / "analysis" / "round_001" / "analysis.json").read_text())
+    assert result["client_0/spectrum"]["lambda_1"] > 0 and result["client_1/spectrum"]["lambda_1"] > 0
+    assert (tmp_path / "analysis" / "round_001" / "client_1_surface_loss.png").exists()

@@ -242,8 +242,10 @@ class AnalysisCallback(L.Callback):
     # ---- the expensive analysis ---------------------------------------------------------------
     def run_analysis(self, trainer, pl_module, round_no: int, files: dict) -> dict[str, float]:
         scalars: dict[str, float] = {}
-        x, y = self.train_subset(trainer, pl_module.device)
         for prefix, model in self.models(pl_module):
+            # a heterogeneous client's model waits on the CPU between its rounds
+            device = next(model.parameters()).device
+            x, y = self.train_subset(trainer, device)
             objective = SubsetObjective(model, x, y, chunk_size=self.chunk_size)
             loss, acc = objective.loss_and_accuracy()
             scalars[f"{prefix}train_subset_loss"], scalars[f"{prefix}train_subset_acc"] = loss, acc
