@@ -9,6 +9,8 @@ Measures, in this one process:
   used, and the residual bound of each of the five;
 - an 11 x 11 loss/accuracy surface along the top-2 eigenvectors: seconds;
 - the default --analysis set (top-5, 10 Hutchinson probes, layer-wise lambda_1, 11 x 11 surface);
+- the every-round divergence statistics (distances and cosines of 10 client models, the global
+  model's class-wise accuracy on 300 test digits), which are on by default;
 - the wall time of a 5-round interval of the demo run (the same fit, timed per round),
 and prints each analysis as a fraction of that interval (target: < 10%; top-5 in <= 40 products).
 
@@ -100,6 +102,7 @@ def main() -> None:
     _, full_surface_s = timed(lambda: surface_2d(objective, *full.top_vectors[:2], radius=1.0, points=11))
     full_s += full_surface_s
 
+    divergence_s = every_round_cost(model, dm)
     hvp_s = top5_s / max(spectrum.lanczos_hvps, 1)
     print(f"model fedavg_cnn, {objective.dim} parameters, {len(y)} MNIST-5k training digits, "
           f"threads {torch.get_num_threads()}, hvp mode {objective.hvp_mode}")
@@ -115,9 +118,28 @@ def main() -> None:
     print(f"11 x 11 surface (121 loss evaluations): {surface_s:.2f} s")
     print(f"default --analysis set (top-5 + 10 trace probes + layer-wise lambda_1 + 11 x 11 surface): "
           f"{full_s:.2f} s, {full.num_hvps} products")
+    print(f"every-round divergence statistics: {divergence_s:.3f} s "
+          f"({divergence_s / per_round:.3f} of a demo round)")
     for name, seconds in (("top-5", top5_s), ("surface", surface_s), ("default set", full_s)):
         ratio = seconds / interval
         print(f"ratio {name} / 5-round interval: {ratio:.3f} ({'under' if ratio < 0.1 else 'OVER'} the 10% target)")
+
+
+def every_round_cost(model, dm) -> float:
+    """What AnalysisCallback adds to every round: distances/cosines of 10 uploads to the round-start
+    model, and the global model's class-wise accuracy on the 300-digit local-evaluation subset."""
+    from fl_lightning.analysis.callback import _scores, _stack
+    from fl_lightning.analysis.divergence import classwise_accuracy, client_updates, divergence_stats
+
+    g = torch.Generator().manual_seed(0)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    uploads = [{n: p + 1e-3 * torch.randn(p.shape, generator=g) for n, p in start.items()} for _ in range(10)]
+    subset = dm.global_test_subset_loader(300).dataset
+    x, y = _stack(subset, np.arange(len(subset)))
+    begin = time.perf_counter()
+    divergence_stats(client_updates(uploads, start))
+    classwise_accuracy(_scores(model, None, x, 500), y, 10)
+    return time.perf_counter() - begin
 
 
 if __name__ == "__main__":

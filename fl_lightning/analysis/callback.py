@@ -106,6 +106,7 @@ class AnalysisCallback(L.Callback):
         self.heatmap_every_n_rounds, self.partition = heatmap_every_n_rounds, partition
         self.max_client_models, self.chunk_size = max_client_models, chunk_size
         self.forced = False  # `fl-lightning analyze` sets this: analyse the loaded checkpoint once
+        self.checkpoint_round = 0  # and this: the rounds the checkpointed model has been through
         self._train_subset: tuple[torch.Tensor, torch.Tensor] | None = None
         self._test_subset: tuple[torch.Tensor, torch.Tensor] | None = None
         self._round_start: dict[str, torch.Tensor] | None = None
@@ -147,8 +148,6 @@ class AnalysisCallback(L.Callback):
         for logger in trainer.loggers:
             logger.log_metrics({f"analysis/{k}": float(v) for k, v in scalars.items()} | {"round": round_no})
         self.write_files(trainer, round_no, scalars, files)
-
-    checkpoint_round = 0  # set by `analyze` from the checkpoint's epoch
 
     # ---- models to analyse --------------------------------------------------------------------
     def models(self, pl_module) -> list[tuple[str, torch.nn.Module]]:
