@@ -8,13 +8,14 @@ Measures, in this one process:
 - top-5 eigenvalues by Lanczos (budget 40 products, relative residual 1e-3): seconds, products
   used, and the residual bound of each of the five;
 - an 11 x 11 loss/accuracy surface along the top-2 eigenvectors: seconds;
-- the default --analysis set (top-5, 10 Hutchinson probes, layer-wise lambda_1, 11 x 11 surface);
+- with --full, the default --analysis set (top-5, 10 Hutchinson probes, layer-wise lambda_1,
+  11 x 11 surface);
 - the every-round divergence statistics (distances and cosines of 10 client models, the global
   model's class-wise accuracy on 300 test digits), which are on by default;
 - the wall time of a 5-round interval of the demo run (the same fit, timed per round),
 and prints each analysis as a fraction of that interval (target: < 10%; top-5 in <= 40 products).
 
-    python benchmarks/analysis_cost.py [--rounds 5] [--ckpt runs/fedsol_mnist5k/checkpoints/last.ckpt]
+    python -u benchmarks/analysis_cost.py [--rounds 5] [--full] [--ckpt runs/fedsol_mnist5k/checkpoints/last.ckpt]
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="demo rounds to train and time (>= 2)")
     parser.add_argument("--ckpt", default=None, help="analyse this checkpoint's model instead")
     parser.add_argument("--samples", type=int, default=1000)
+    parser.add_argument("--full", action="store_true", help="also time the default --analysis set "
+                        "(+ 10 trace probes, layer-wise lambda_1: about 3x the top-5's products)")
     args = parser.parse_args()
     torch.set_num_threads(max(torch.get_num_threads(), 1))
 
@@ -96,11 +99,13 @@ def main() -> None:
     spectrum, top5_s = timed(lambda: hessian_spectrum(objective, k=5, max_iter=40, tol=1e-3, layerwise=False))
     d1, d2 = spectrum.top_vectors[:2]
     _, surface_s = timed(lambda: surface_2d(objective, d1, d2, radius=1.0, points=11))
-    objective.num_hvps = 0
-    full, full_s = timed(lambda: hessian_spectrum(objective, k=5, max_iter=40, tol=1e-3, trace_probes=10,
-                                                  layerwise=True, layer_iter=15))
-    _, full_surface_s = timed(lambda: surface_2d(objective, *full.top_vectors[:2], radius=1.0, points=11))
-    full_s += full_surface_s
+    full_s = full_hvps = None
+    if args.full:
+        objective.num_hvps = 0
+        full, full_s = timed(lambda: hessian_spectrum(objective, k=5, max_iter=40, tol=1e-3, trace_probes=10,
+                                                      layerwise=True, layer_iter=15))
+        _, full_surface_s = timed(lambda: surface_2d(objective, *full.top_vectors[:2], radius=1.0, points=11))
+        full_s, full_hvps = full_s + full_surface_s, full.num_hvps
 
     divergence_s = every_round_cost(model, dm)
     hvp_s = top5_s / max(spectrum.lanczos_hvps, 1)
@@ -116,11 +121,14 @@ def main() -> None:
     print("  relative residual bounds = " + ", ".join(
         f"{r / abs(v):.1e}" for r, v in zip(spectrum.top_residuals, spectrum.top, strict=True)))
     print(f"11 x 11 surface (121 loss evaluations): {surface_s:.2f} s")
-    print(f"default --analysis set (top-5 + 10 trace probes + layer-wise lambda_1 + 11 x 11 surface): "
-          f"{full_s:.2f} s, {full.num_hvps} products")
+    if full_s is not None:
+        print(f"default --analysis set (top-5 + 10 trace probes + layer-wise lambda_1 + 11 x 11 surface): "
+              f"{full_s:.2f} s, {full_hvps} products")
     print(f"every-round divergence statistics: {divergence_s:.3f} s "
           f"({divergence_s / per_round:.3f} of a demo round)")
     for name, seconds in (("top-5", top5_s), ("surface", surface_s), ("default set", full_s)):
+        if seconds is None:
+            continue
         ratio = seconds / interval
         print(f"ratio {name} / 5-round interval: {ratio:.3f} ({'under' if ratio < 0.1 else 'OVER'} the 10% target)")
 
