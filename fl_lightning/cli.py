@@ -3,7 +3,9 @@
 - `--model` takes any method class (`FedSOL`, `FedAvg`, ...; see fl_lightning.methods) and the
   data module's DataSpec (classes, channels, image size) is linked into it.
 - The federated callback is always present and configurable as `--federation.*`; personalised
-  evaluation (fine-tune per client, local-only baseline) as `--personalization.*` (off by default).
+  evaluation (fine-tune per client, local-only baseline) as `--personalization.*` (off by default);
+  analyses (divergence every round; Hessian spectrum and loss surface every n rounds, off by
+  default) as `--analysis.*`, and on a saved checkpoint with `fl-lightning analyze`.
 - Every completed round is checkpointed, atomically, to
   `<trainer.default_root_dir>/checkpoints/last.ckpt` (fl_lightning/checkpointing.py), so
   `--ckpt_path last` resumes the run configured in the same directory; a checkpoint of another
@@ -25,10 +27,13 @@ from pathlib import Path
 from lightning.pytorch.callbacks import Checkpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
+from fl_lightning.analysis.callback import AnalysisCallback
+from fl_lightning.analysis.command import FLTrainer
 from fl_lightning.checkpointing import LAST, AtomicCheckpointIO, RoundCheckpoint, check_compatible, load_checkpoint_file
 from fl_lightning.data.datamodule import FederatedDataModule
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import FederatedCallback, FLDivergedError
+from fl_lightning.loggers import describe_wandb_run
 from fl_lightning.methods import FederatedMethod
 from fl_lightning.personalization import PersonalizationCallback
 from fl_lightning.progress import RoundProgressBar
@@ -66,6 +71,7 @@ class FLCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(FederatedCallback, "federation")
         parser.add_lightning_class_args(PersonalizationCallback, "personalization")
+        parser.add_lightning_class_args(AnalysisCallback, "analysis")
         parser.link_arguments("data.spec", "model.init_args.data_spec", apply_on="instantiate")
         parser.add_argument("--overwrite", type=bool, default=False,
                             help="fit: replace the run already in trainer.default_root_dir (its config, checkpoints "
@@ -117,13 +123,19 @@ class FLCLI(LightningCLI):
         # Load and partition the data before the run starts, so a missing file or an impossible
         # partition fails in seconds, before a logger run is created.
         self.datamodule.setup("fit")
+        describe_wandb_run(self.trainer.loggers, self.config.get(self.subcommand, self.config))
 
-    before_validate = before_test = before_fit
+    before_validate = before_test = before_analyze = before_fit
 
     def after_fit(self) -> None:
         finish_wandb(exit_code=0)
 
-    after_validate = after_test = after_fit
+    after_validate = after_test = after_analyze = after_fit
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        # `analyze` (FLTrainer.analyze): the --analysis.* analyses of a checkpoint
+        return {**LightningCLI.subcommands(), "analyze": {"model", "datamodule"}}
 
     def _instantiate_trainer(self, config: dict, callbacks: list):
         # Added next to (not instead of) the user's trainer.callbacks, and only where the user has
@@ -257,6 +269,7 @@ def main(args: list[str] | None = None) -> None:
         FLCLI(
             FederatedMethod,
             FederatedDataModule,
+            trainer_class=FLTrainer,
             subclass_mode_model=True,
             trainer_defaults=TRAINER_DEFAULTS,
             save_config_kwargs={"overwrite": True},

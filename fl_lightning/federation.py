@@ -141,6 +141,16 @@ class FederatedCallback(L.Callback):
         if batch_idx == self._plan.num_batches - 1:
             self._finish_round(trainer, pl_module)
 
+    @property
+    def round_uploads(self) -> list[ClientUpload]:
+        """The uploads the server accepted in the current (after its end: the last) round."""
+        return list(self._uploads)
+
+    @property
+    def round_client_stats(self) -> list[dict[str, float]]:
+        """Per accepted client of that round, its logged statistics (e.g. local_acc)."""
+        return list(self._local_stats)
+
     def _finish_round(self, trainer, pl_module) -> None:
         if not self._uploads:
             raise FLDivergedError(f"diverged: every client's upload was non-finite at "

@@ -1,10 +1,15 @@
-"""W&B logging that never blocks on the network: offline unless the user is logged in."""
+"""W&B logging that never blocks on the network: offline unless the user is logged in, and whose
+runs work as dashboards: every per-round metric is plotted against the round, the config is the
+complete resolved CLI config, runs are grouped by config name and tagged by method, dataset and
+partition."""
 
 from __future__ import annotations
 
 import netrc
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from lightning.pytorch.loggers import WandbLogger
 
@@ -35,6 +40,70 @@ class FLWandbLogger(WandbLogger):
             offline = mode in ("offline", "dryrun", "disabled") or not wandb_logged_in()
         Path(save_dir).mkdir(parents=True, exist_ok=True)
         super().__init__(offline=offline, project=project, save_dir=save_dir, **kwargs)
+        self._resolved_config: dict[str, Any] | None = None
+
+    def describe_run(self, config: Mapping[str, Any], group: str | None, tags: list[str]) -> None:
+        """The run's W&B config, group and tags; called by the CLI before the run is created (W&B
+        takes group and tags only at creation). The user's own group/tags win."""
+        self._resolved_config = without_internal_keys(dict(config))
+        self._wandb_init["config"] = self._resolved_config
+        if group and not self._wandb_init.get("group"):
+            self._wandb_init["group"] = group
+        self._wandb_init["tags"] = list(dict.fromkeys([*(self._wandb_init.get("tags") or []), *tags]))
+
+    @property
+    def experiment(self):
+        created = self._experiment is None
+        run = super().experiment
+        if created and getattr(run, "define_metric", None) is not None:
+            # x-axis of every metric: the round (1-based), present in every logged row (log_metrics)
+            run.define_metric("round")
+            run.define_metric("*", step_metric="round", step_sync=True)
+        return run
+
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        # Lightning adds the 0-based `epoch` to every row; one epoch is one round
+        if "epoch" in metrics:
+            metrics = {**metrics, "round": float(metrics["epoch"]) + 1}
+        super().log_metrics(metrics, step)
+
+    def log_hyperparams(self, params) -> None:
+        # With the CLI's resolved config in place, the module's and data module's hyperparameters
+        # (a subset of it, plus internal keys such as `_instantiator`) would only duplicate it.
+        if self._resolved_config is None:
+            super().log_hyperparams(without_internal_keys(dict(params)))
+
+
+def describe_wandb_run(loggers, config) -> None:
+    """Hands the resolved CLI config (a jsonargparse Namespace), a group (the config file's name)
+    and tags (method, dataset, partition) to every FLWandbLogger."""
+    targets = [lg for lg in loggers if isinstance(lg, FLWandbLogger)]
+    if not targets:
+        return
+    resolved = config.clone().as_dict()
+    files = resolved.pop("config", None) or []
+    model = resolved.get("model") or {}
+    method = str(model.get("class_path", "")).rpartition(".")[2] if isinstance(model, Mapping) else ""
+    data = resolved.get("data") or {}
+    group = Path(str(files[-1])).stem if files else None
+    tags = [t for t in (method, data.get("dataset"), data.get("partition")) if t]
+    for logger in targets:
+        logger.describe_run({"method": method, **resolved}, group, [str(t) for t in tags])
+
+
+def update_wandb_summary(loggers, summary: Mapping[str, Any]) -> None:
+    """The W&B run summary holds summary.json's outcome (final/best accuracy and their rounds,
+    rounds completed, wall time, diverged/failed), so dashboards can sort and filter runs by it."""
+    values = {k: v for k, v in summary.items() if k != "last" and v is not None}
+    for logger in loggers:
+        if isinstance(logger, WandbLogger):
+            logger.experiment.summary.update(values)
+
+
+def without_internal_keys(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config without keys starting with "_" (jsonargparse/Lightning internals), recursively."""
+    return {k: without_internal_keys(v) if isinstance(v, Mapping) else v
+            for k, v in config.items() if not str(k).startswith("_")}
 
 
 class IncompleteRunFile(ValueError):
@@ -91,3 +160,33 @@ def read_offline_history(run_file: str | Path, require_complete: bool = True) ->
         raise IncompleteRunFile(f"{run_file}: no exit record; W&B has not finished writing this run "
                                 f"(or it was killed)")
     return rows
+
+
+def offline_records(run_file: str | Path):
+    """Every `wandb_internal_pb2.Record` of an offline W&B run file, in order (history rows, the
+    run record with its config, group and tags, metric definitions, ...); same framing as
+    `read_offline_history`."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = Path(run_file).read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{run_file} is not a W&B run file")
+    block, pos, pending = 32768, 7, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # block trailer too small for a header: padding
+            pos += block - pos % block
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == 0 and length == 0:
+            pos += block - pos % block if pos % block else 0
+            continue
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind not in (1, 4):
+            continue
+        record = pb.Record()
+        record.ParseFromString(pending)
+        yield record

@@ -21,6 +21,7 @@ import lightning as L
 import torch
 
 from fl_lightning.checkpointing import atomic_write_bytes
+from fl_lightning.loggers import update_wandb_summary
 
 ACCURACY_KEY = "global/test_acc"
 
@@ -124,6 +125,7 @@ class ResultsCallback(L.Callback):
         atomic_write_bytes(self.run_dir / "metrics.csv", text.getvalue().encode())
         summary = self.summary(trainer, pl_module, finished)
         atomic_write_bytes(self.run_dir / "summary.json", (json.dumps(summary, indent=1) + "\n").encode())
+        update_wandb_summary(trainer.loggers, summary)
 
     # ---- resume ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -41,13 +41,15 @@ def test_fit_logs_resumes_and_validates(tmp_path, capsys, caplog):
     rows = wandb_rows(root)
     accuracy = {r["epoch"]: r["global/test_acc"] for r in rows if "global/test_acc" in r}
     assert sorted(accuracy) == [0, 1] and all(0.0 <= a <= 1.0 for a in accuracy.values())
-    per_round = {r["round"]: r for r in rows if "round" in r}
-    assert sorted(per_round) == [0, 1]
+    per_round = {}
+    for r in rows:  # every row carries the 1-based round, W&B's x-axis (0: the partition at fit start)
+        per_round.setdefault(r["round"], {}).update(r)
+    assert sorted(per_round) == [0, 1, 2]
     for key in ("local/local_acc_mean", "local/local_acc_std", "local/drift_mean", "lr", "fedsol/prox_loss",
                 "fedsol/cos_update_prox", "train/loss"):
-        assert key in per_round[1], key
-    assert per_round[1]["lr"] == pytest.approx(0.01 * 0.99)  # the lr used in round 2
-    assert per_round[1]["local/drift_mean"] > 0
+        assert key in per_round[2], key
+    assert per_round[2]["lr"] == pytest.approx(0.01 * 0.99)  # the lr used in round 2
+    assert per_round[2]["local/drift_mean"] > 0
 
     caplog.clear()
     assert run(["fit", *SMALL, "--trainer.max_epochs", "3", "--trainer.default_root_dir", str(root),

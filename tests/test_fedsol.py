@@ -44,6 +44,7 @@ def reference_two_steps(model, x, y, adaptive, perturb):
         eps[k] = RHO * lam * gp[k] / gnorm
     wp = {k: (w[k] + eps[k]) if k in eps else w[k] for k in w}
     grads = torch.autograd.grad(F.cross_entropy(logits(wp), y), list(w.values()))
+    reference_two_steps.gu_gp = (dict(zip(w, grads, strict=True)), gp)  # step 2's g_u and g_p, by name
     w2 = {}
     for k, g in zip(w, grads, strict=True):
         buf[k] = MOM * buf[k] + g + WD * w1[k]
@@ -65,6 +66,38 @@ def test_two_local_steps_match_reference(adaptive, perturb):
     got = dict(method.model.named_parameters())
     for k, v in expected.items():
         torch.testing.assert_close(got[k].detach(), v.detach(), atol=1e-6, rtol=1e-5)
+
+
+def cosine(a: dict, b: dict, names) -> float:
+    dot = sum(float((a[k] * b[k]).sum()) for k in names)
+    return dot / math.sqrt(sum(float((a[k] ** 2).sum()) for k in names) * sum(float((b[k] ** 2).sum()) for k in names))
+
+
+@pytest.mark.parametrize("perturb", ["head", "body", "all"])
+def test_logged_cosine_is_the_papers_whole_model_cos_gu_gp(perturb):
+    """Fig. 3: cos(g_u, g_p), g_u = grad L_CE(w + eps_p), g_p = grad L_p(w; w_g), both over every
+    trainable tensor, at step 2 (step 1 has g_p = 0 and logs no cosine). `cosine_scope perturbed`
+    is the same restricted to the perturbed tensors; neither changes the trained weights."""
+    x, y = toy_data(n=12, size=4, num_classes=3)
+    results = {}
+    for scope in ("all", "perturbed"):
+        torch.manual_seed(0)
+        dm = one_client_module(x, y, local_epochs=2)
+        method = FedSOL(model="mlp", lr=LR, momentum=MOM, weight_decay=WD, rho=RHO, adaptive="layer",
+                        perturb=perturb, temperature=T, cosine_scope=scope, data_spec=dm.spec)
+        reference_two_steps(method.model, x, y, "layer", perturb)
+        gu, gp = reference_two_steps.gu_gp
+        trainer = fit(method, dm, rounds=1)
+        names = list(gp) if scope == "all" else method.perturbed_names()
+        logged = float(trainer.callback_metrics["fedsol/cos_update_prox"])
+        assert logged == pytest.approx(cosine(gu, gp, names), abs=1e-5)
+        if scope == "all" and perturb != "all":  # the perturbed tensors' share, logged alongside
+            perturbed = float(trainer.callback_metrics["fedsol/cos_update_prox_perturbed"])
+            assert perturbed == pytest.approx(cosine(gu, gp, method.perturbed_names()), abs=1e-5)
+        results[scope] = (logged, torch.cat([p.detach().flatten() for p in method.model.parameters()]))
+    if perturb != "all":  # the two scopes measure different vectors, and training is the same
+        assert abs(results["all"][0] - results["perturbed"][0]) > 1e-3
+    assert torch.equal(results["all"][1], results["perturbed"][1])
 
 
 def test_perturbation_changes_the_step():

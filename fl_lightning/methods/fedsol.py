@@ -106,6 +106,14 @@ def project_out_conflict(grads: list[torch.Tensor], prox_grads: list[torch.Tenso
     return [g - (coef * p).to(g.dtype) for g, p in zip(grads, prox_grads, strict=True)], True
 
 
+def _cosine(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
+    """cos between two vectors given as lists of tensors (float32 sums)."""
+    dot = sum((u.float() * g.float()).sum() for u, g in zip(a, b, strict=True))
+    na = torch.sqrt(sum((u.float() ** 2).sum() for u in a))
+    nb = torch.sqrt(sum((g.float() ** 2).sum() for g in b))
+    return dot / (na * nb).clamp_min(1e-12)
+
+
 class _FeaturesAndLogits(nn.Module):
     """Lets one functional_call return both the features and the logits of a model."""
 
@@ -217,6 +225,12 @@ class FedSOL(ProximalMethod):
         strategy: "A1" = FedSOL; A0 and A2..A6 are the paper's ablations (module docstring).
         beta: weight of L_p in the combined-loss strategies A2..A6.
         min_grad_norm: below this ||g_p|| the step is unperturbed (first-step guard).
+        cosine_scope: the tensors `fedsol/cos_update_prox` is taken over. "all" (default): every
+            trainable tensor, what the paper's Fig. 3 plots, cos(g_u, g_p) with
+            g_u = grad L_local(w + eps_p) and g_p = grad L_p(w; w_g) as whole-model vectors (its
+            Prop. 1 is about these); costs one extra backward of L_p through the body per step when
+            only the head is perturbed. "perturbed": only the perturbed tensors (free, but with
+            head perturbation it sees only the head's share of the update).
         proximal, temperature, mu: the proximal loss (`ProximalMethod`).
     """
 
@@ -228,9 +242,12 @@ class FedSOL(ProximalMethod):
         strategy: Literal["A0", "A1", "A2", "A3", "A4", "A5", "A6"] = "A1",
         beta: float = 1.0,
         min_grad_norm: float = 1e-8,
+        cosine_scope: Literal["all", "perturbed"] = "all",
         **kwargs,
     ):
         super().__init__(**kwargs)
+        if cosine_scope not in ("all", "perturbed"):
+            raise FLUserError(f"cosine_scope must be all or perturbed, got '{cosine_scope}'")
         if rho < 0:
             raise FLUserError(f"rho must be >= 0, got {rho}")
         if beta < 0 or min_grad_norm < 0:
@@ -273,7 +290,11 @@ class FedSOL(ProximalMethod):
         else:
             direction_loss = prox
         # the graph at w is needed again to reuse the body's features or for A2/A6's terms at w
-        direction = self._grads(direction_loss, params, retain_graph=head_only or s in ("A2", "A6"))
+        keep_graph = head_only or s in ("A2", "A6")
+        # g_p on the tensors that are not perturbed, only for the logged cosine (not for training)
+        unperturbed = [n for n in named if n not in names] if h.cosine_scope == "all" and s != "A4" else []
+        direction = self._grads(direction_loss, params, retain_graph=keep_graph or bool(unperturbed))
+        rest = self._grads(prox, [named[n] for n in unperturbed], retain_graph=keep_graph) if unperturbed else []
         global_params = self.global_params()
         eps = sol_perturbation(params, direction, [global_params[n] for n in names], h.rho, h.adaptive,
                                h.min_grad_norm)
@@ -293,23 +314,27 @@ class FedSOL(ProximalMethod):
         else:  # A6
             loss = F.cross_entropy(logits_p, y) + h.beta * prox
         self.sgd_step(loss)
-        self._log(loss, prox, len(y), params, direction if s != "A4" else None)
+        cos_params = params + [named[n] for n in unperturbed]
+        self._log(loss, prox, len(y), cos_params, direction + rest if s != "A4" else None, len(params))
         return loss.detach()
 
     @torch.no_grad()
-    def _log(self, loss, prox, batch_size: int, params=None, prox_grads=None) -> None:
-        """Mean proximal loss and cos(update gradient, proximal gradient) on the perturbed tensors;
-        the paper shows the cosine falling towards 0 as rho grows. Reads p.grad after the step
-        (the optimizer leaves it in place)."""
+    def _log(self, loss, prox, batch_size: int, params=None, prox_grads=None, num_perturbed: int = 0) -> None:
+        """Mean proximal loss and cos(g_u, g_p) per step, averaged over the round's steps: g_u =
+        grad L_local(w + eps_p) (p.grad after the step: the optimizer adds momentum and weight
+        decay out of place), g_p = grad L_p at the unperturbed w, over `params` (`cosine_scope`),
+        whose first `num_perturbed` are the perturbed tensors. The paper's Fig. 3 shows it moving
+        towards 0 as rho grows. With scope "all" and tensors left unperturbed, the perturbed
+        tensors' own cosine is logged too (`fedsol/cos_update_prox_perturbed`)."""
         metrics = {"train/loss": loss.detach()}
         if prox is not None:
             metrics["fedsol/prox_loss"] = prox.detach()
         if prox_grads is not None:
             update = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            dot = sum((u.float() * g.float()).sum() for u, g in zip(update, prox_grads, strict=True))
-            nu = torch.sqrt(sum((u.float() ** 2).sum() for u in update))
-            ng = torch.sqrt(sum((g.float() ** 2).sum() for g in prox_grads))
-            metrics["fedsol/cos_update_prox"] = dot / (nu * ng).clamp_min(1e-12)
+            metrics["fedsol/cos_update_prox"] = _cosine(update, prox_grads)
+            if num_perturbed < len(params):
+                metrics["fedsol/cos_update_prox_perturbed"] = _cosine(update[:num_perturbed],
+                                                                      prox_grads[:num_perturbed])
         self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=batch_size)
 
 

@@ -1,0 +1,379 @@
+"""`--analysis.*`: what training does to the model, as W&B panels and as files.
+
+- At fit start: the partition as a clients x classes heatmap and a table of class counts.
+- Every round (cheap, on by default): distances of the round's local models to the global model
+  (mean/std/min/max of ||w_k - w_g||), the mean pairwise distance and cosine between client
+  updates, the global model's accuracy per class, each local model's accuracy on the same test
+  subset as a histogram; every `heatmap_every_n_rounds` rounds a clients x classes heatmap of the
+  local models' class-wise accuracy.
+- Every `every_n_rounds` rounds and at the last round (off by default): the Hessian spectrum of
+  the training loss on a fixed, seeded subset (top-k and minimum eigenvalues by Lanczos,
+  Hutchinson trace, lambda_1 per layer) and a 2-D loss surface (top-2 Hessian eigenvectors or
+  filter-normalised random directions), optionally 1-D slices.
+
+Scalars go to the module's log under `analysis/...` (so to W&B and metrics.csv), pictures and
+the surface table to W&B, and everything to `<run dir>/analysis/round_XXX/` (JSON + PNG).
+
+None of it can change training: the analyses are pure functions of detached weight copies
+(`objective.py`), run in eval mode with their flags restored, draw randomness only from their own
+seeded generators, and read data by indexing datasets (a DataLoader would draw its base seed
+from the global RNG).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning as L
+import numpy as np
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch.func import functional_call
+
+from fl_lightning.analysis import plots
+from fl_lightning.analysis.divergence import classwise_accuracy, client_updates, divergence_stats, partition_counts
+from fl_lightning.analysis.hessian import hessian_spectrum
+from fl_lightning.analysis.objective import SubsetObjective, eval_mode
+from fl_lightning.analysis.surface import DIRECTION_KINDS, filter_normalized_direction, slice_1d, surface_2d
+from fl_lightning.errors import FLUserError
+from fl_lightning.federation import FederatedCallback
+
+SURFACE_KINDS = (*DIRECTION_KINDS, "none")
+
+
+class AnalysisCallback(L.Callback):
+    """Loss landscapes, Hessian spectrum, client divergence and the partition.
+
+    Args:
+        every_n_rounds: Hessian spectrum and loss surface every n rounds and at the last round
+            (0 = never during fit; `fl-lightning analyze` runs them on a checkpoint).
+        samples: size of the fixed subset of (unaugmented) training data the loss is taken on.
+        seed: draws that subset, the Lanczos start vector, the trace probes and random directions.
+        top_k: Hessian eigenvalues to report (lambda_1 .. lambda_k; lambda_1/lambda_k).
+        max_hvps: Lanczos budget (Hessian-vector products); it stops earlier once the top k have
+            converged to `tol` (relative residual).
+        tol: relative residual at which a Ritz value counts as converged.
+        trace_probes: Rademacher probes of the Hutchinson trace (0 = no trace).
+        layerwise: also lambda_1 of each layer's Hessian block (`layer_hvps` products per layer).
+        layer_hvps: Lanczos budget per layer.
+        surface: directions of the 2-D surface: "hessian" (top-2 eigenvectors, FedSOL Fig. 8),
+            "random" (filter-normalised, Li et al. 2018) or "none".
+        surface_points: grid points per axis (odd: the centre is the model itself).
+        surface_radius: the grid spans [-r, r] along each direction (unit eigenvectors, or
+            filter-normalised directions whose filters have the weights' norms).
+        slices: also 1-D slices of the loss along each of the two directions.
+        divergence: the every-round divergence and class-wise statistics.
+        test_samples: size of the fixed global test subset for class-wise accuracies (0 = all;
+            default: the federation's `local_eval_samples`, the subset local models are tested on).
+        heatmap_every_n_rounds: clients x classes heatmap of local models' class-wise accuracy
+            every n rounds (0 = never).
+        partition: log the partition heatmap and class-count table at fit start.
+        max_client_models: model-heterogeneous methods (no global model): analyse the models of
+            clients 0 .. n-1.
+        chunk_size: samples per forward pass in the analyses (memory bound).
+    """
+
+    def __init__(self, every_n_rounds: int = 0, samples: int = 1000, seed: int = 0, top_k: int = 5,
+                 max_hvps: int = 40, tol: float = 1e-3, trace_probes: int = 10, layerwise: bool = True,
+                 layer_hvps: int = 15, surface: Literal["hessian", "random", "none"] = "hessian",
+                 surface_points: int = 11, surface_radius: float = 1.0, slices: bool = False,
+                 divergence: bool = True, test_samples: int | None = None, heatmap_every_n_rounds: int = 5,
+                 partition: bool = True, max_client_models: int = 2, chunk_size: int = 500):
+        super().__init__()
+        if surface not in SURFACE_KINDS:
+            raise FLUserError(f"analysis.surface: unknown direction kind '{surface}'; choose one of: "
+                              f"{', '.join(SURFACE_KINDS)}")
+        for name, value, low in (("every_n_rounds", every_n_rounds, 0), ("samples", samples, 1),
+                                 ("top_k", top_k, 1), ("max_hvps", max_hvps, 1), ("trace_probes", trace_probes, 0),
+                                 ("layer_hvps", layer_hvps, 1), ("surface_points", surface_points, 2),
+                                 ("test_samples", test_samples or 0, 0),
+                                 ("heatmap_every_n_rounds", heatmap_every_n_rounds, 0),
+                                 ("max_client_models", max_client_models, 1), ("chunk_size", chunk_size, 1)):
+            if value < low:
+                raise FLUserError(f"analysis.{name} must be >= {low}, got {value}")
+        if max_hvps < top_k:
+            raise FLUserError(f"analysis.max_hvps ({max_hvps}) must be >= analysis.top_k ({top_k})")
+        if not surface_radius > 0 or not tol > 0:
+            raise FLUserError(f"analysis.surface_radius and analysis.tol must be > 0, got {surface_radius}, {tol}")
+        self.every_n_rounds, self.samples, self.seed, self.top_k = every_n_rounds, samples, seed, top_k
+        self.max_hvps, self.tol, self.trace_probes = max_hvps, tol, trace_probes
+        self.layerwise, self.layer_hvps = layerwise, layer_hvps
+        self.surface, self.surface_points, self.surface_radius = surface, surface_points, surface_radius
+        self.slices, self.divergence, self.test_samples = slices, divergence, test_samples
+        self.heatmap_every_n_rounds, self.partition = heatmap_every_n_rounds, partition
+        self.max_client_models, self.chunk_size = max_client_models, chunk_size
+        self.forced = False  # `fl-lightning analyze` sets this: analyse the loaded checkpoint once
+        self.checkpoint_round = 0  # and this: the rounds the checkpointed model has been through
+        self._train_subset: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._test_subset: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._round_start: dict[str, torch.Tensor] | None = None
+        self._table_rows: list[list[float]] = []
+        self._said: set[str] = set()
+
+    # ---- hooks --------------------------------------------------------------------------------
+    def on_fit_start(self, trainer, pl_module) -> None:
+        self.check_model(pl_module)
+        if self.partition and trainer.is_global_zero and hasattr(trainer.datamodule, "client_parts"):
+            self.log_partition(trainer)
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if self.divergence and pl_module.has_global_model:
+            self._round_start = {n: p.detach().clone() for n, p in pl_module.model.named_parameters()}
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        round_no = trainer.current_epoch + 1  # rounds completed, 1-based
+        scalars: dict[str, float] = {}
+        files: dict[str, Any] = {}
+        if self.divergence:
+            scalars.update(self.round_divergence(trainer, pl_module, round_no, files))
+        due = self.every_n_rounds and (round_no % self.every_n_rounds == 0 or round_no == trainer.max_epochs)
+        if due:
+            scalars.update(self.run_analysis(trainer, pl_module, round_no, files))
+        if scalars:
+            pl_module.log_dict({f"analysis/{k}": float(v) for k, v in scalars.items()}, on_step=False,
+                               on_epoch=True, batch_size=1)
+        if due or "classwise_local" in files:
+            self.write_files(trainer, round_no, scalars, files)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not self.forced or trainer.sanity_checking:
+            return
+        round_no = self.checkpoint_round
+        files: dict[str, Any] = {}
+        self.check_model(pl_module)
+        scalars = self.run_analysis(trainer, pl_module, round_no, files)
+        for logger in trainer.loggers:
+            logger.log_metrics({f"analysis/{k}": float(v) for k, v in scalars.items()} | {"round": round_no})
+        self.write_files(trainer, round_no, scalars, files)
+
+    # ---- models to analyse --------------------------------------------------------------------
+    def models(self, pl_module) -> list[tuple[str, torch.nn.Module]]:
+        """("", the global model), or for model-heterogeneous methods ("client_k/", client k's model)."""
+        if pl_module.has_global_model:
+            return [("", pl_module.model)]
+        clients = getattr(pl_module, "client_models", [])
+        chosen = list(range(min(self.max_client_models, len(clients))))
+        self._once(f"{type(pl_module).__name__} has no global model: analysing the models of clients "
+                   f"{chosen} (--analysis.max_client_models)")
+        return [(f"client_{c}/", clients[c]) for c in chosen]
+
+    def check_model(self, pl_module) -> None:
+        """Fails with one line before any work when the request cannot be met by the model."""
+        if not self.every_n_rounds and not self.forced:
+            return
+        for _, model in self.models(pl_module):
+            dim = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            if self.top_k > dim:
+                raise FLUserError(f"analysis.top_k = {self.top_k} but the model has only {dim} trainable "
+                                  f"parameters; choose top_k <= {dim}")
+            if self.surface != "none" and dim < 2:
+                raise FLUserError("analysis.surface needs a model with at least 2 parameters; set surface none")
+
+    # ---- data ---------------------------------------------------------------------------------
+    def train_subset(self, trainer, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._train_subset is None:
+            dm = trainer.datamodule
+            dataset = dm.plain_train_set
+            n = len(dataset)
+            idx = np.sort(np.random.default_rng(self.seed).choice(n, min(self.samples, n), replace=False))
+            self._train_subset = _stack(dataset, idx)
+        return tuple(t.to(device) for t in self._train_subset)
+
+    def test_subset(self, trainer, device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._test_subset is None:
+            n = self.test_samples
+            if n is None:  # the subset the federation evaluates local models on
+                fed = _federation(trainer)
+                n = fed.local_eval_samples if fed is not None else 1000
+            loader = trainer.datamodule.global_test_subset_loader(n)
+            dataset = loader.dataset  # indexed directly: iterating the loader would draw from the global RNG
+            self._test_subset = _stack(dataset, np.arange(len(dataset)))
+        return tuple(t.to(device) for t in self._test_subset)
+
+    # ---- the every-round statistics -----------------------------------------------------------
+    @torch.no_grad()
+    def round_divergence(self, trainer, pl_module, round_no: int, files: dict) -> dict[str, float]:
+        if not pl_module.has_global_model:
+            self._once("divergence statistics need a global model; skipped for "
+                       f"{type(pl_module).__name__} (model-heterogeneous)")
+            return {}
+        federation = _federation(trainer)
+        uploads = federation.round_uploads if federation is not None else []
+        out: dict[str, float] = {}
+        updates = client_updates([u.tensors for u in uploads], self._round_start or {})
+        if updates is not None:
+            out.update(divergence_stats(updates))
+        num_classes = pl_module.hparams.data_spec.num_classes
+        model = pl_module.model
+        x, y = self.test_subset(trainer, pl_module.device)
+        global_acc = classwise_accuracy(_scores(model, None, x, self.chunk_size), y, num_classes)
+        out["global_class_acc_min"] = float(np.nanmin(global_acc.numpy()))
+        out["global_class_acc_std"] = float(np.nanstd(global_acc.numpy()))
+        if num_classes <= 20:
+            out.update({f"global_class_acc/{c}": float(a) for c, a in enumerate(global_acc) if not math.isnan(a)})
+        accs = [s["local_acc"] for s in federation.round_client_stats if "local_acc" in s] if federation else []
+        if accs:  # each local model on the same test subset, as evaluated by the federation
+            self._log_media(trainer, round_no, {"analysis/local_acc_hist": ("histogram", accs)})
+            files["local_acc"] = accs
+        every = self.heatmap_every_n_rounds
+        if not (every and (round_no % every == 0 or round_no == trainer.max_epochs)):
+            return out
+        keys = set(model.state_dict())
+        full = [u for u in uploads if keys <= set(u.tensors)]
+        if not full:
+            if uploads:
+                self._once("uploads do not carry whole local models: no local class-wise accuracy")
+            return out
+        local = torch.stack([classwise_accuracy(_scores(model, u.tensors, x, self.chunk_size), y, num_classes)
+                             for u in full])
+        out["local_class_acc_mean"] = float(np.nanmean(local.numpy()))
+        files["classwise_local"] = {"clients": [u.client for u in full], "acc": local.tolist(),
+                                    "global": global_acc.tolist()}
+        image = plots.heatmap_image(local.numpy(), f"local models' class-wise accuracy, round {round_no}",
+                                    "class", "sampled client (in client-id order)", fmt="{:.2f}")
+        files["classwise_local.png"] = image
+        self._log_media(trainer, round_no, {"analysis/classwise_local": ("image", image)})
+        return out
+
+    # ---- the expensive analysis ---------------------------------------------------------------
+    def run_analysis(self, trainer, pl_module, round_no: int, files: dict) -> dict[str, float]:
+        scalars: dict[str, float] = {}
+        for prefix, model in self.models(pl_module):
+            # a heterogeneous client's model waits on the CPU between its rounds
+            device = next(model.parameters()).device
+            x, y = self.train_subset(trainer, device)
+            objective = SubsetObjective(model, x, y, chunk_size=self.chunk_size)
+            loss, acc = objective.loss_and_accuracy()
+            scalars[f"{prefix}train_subset_loss"], scalars[f"{prefix}train_subset_acc"] = loss, acc
+            spectrum = hessian_spectrum(objective, self.top_k, self.max_hvps, self.tol, self.trace_probes,
+                                        self.layerwise, self.layer_hvps, self.seed)
+            scalars.update({f"{prefix}{k}": v for k, v in spectrum.scalars().items()})
+            files[f"{prefix}spectrum"] = {**spectrum.scalars(), "top": spectrum.top, "subset_loss": loss,
+                                          "subset_acc": acc, "samples": len(y)}
+            if self.surface != "none":
+                self._surface(trainer, objective, spectrum, prefix, round_no, files)
+        rank_zero_info("analysis, round " + str(round_no) + ": " + ", ".join(
+            f"{k} {v:.4g}" for k, v in scalars.items() if "layer" not in k and "/" not in k[len("client_0/"):]))
+        return scalars
+
+    def _surface(self, trainer, objective, spectrum, prefix: str, round_no: int, files: dict) -> None:
+        if self.surface == "hessian":
+            if len(spectrum.top_vectors) < 2:
+                raise FLUserError("analysis.surface hessian needs top_k >= 2 (two eigenvectors)")
+            d1, d2 = spectrum.top_vectors[:2]
+            labels = ("top-1 Hessian eigenvector", "top-2 Hessian eigenvector")
+        else:
+            generator = torch.Generator().manual_seed(self.seed + 1)
+            d1 = filter_normalized_direction(objective.params, generator)
+            d2 = filter_normalized_direction(objective.params, generator)
+            labels = ("random direction 1 (filter-normalised)", "random direction 2 (filter-normalised)")
+        surf = surface_2d(objective, d1, d2, self.surface_radius, self.surface_points, self.surface)
+        files[f"{prefix}surface"] = {"kind": surf.kind, "alphas": surf.alphas, "betas": surf.betas,
+                                     "loss": surf.loss, "acc": surf.acc}
+        name = prefix.replace("/", "_")
+        loss_img = plots.contour_image(surf.alphas, surf.betas, surf.loss, f"{prefix}loss, round {round_no}", *labels)
+        acc_img = plots.contour_image(surf.alphas, surf.betas, surf.acc, f"{prefix}accuracy, round {round_no}",
+                                      *labels)
+        files[f"{name}surface_loss.png"], files[f"{name}surface_acc.png"] = loss_img, acc_img
+        self._table_rows += [[round_no, *row] for row in surf.rows()]
+        media = {f"analysis/{prefix}surface_loss": ("image", loss_img),
+                 f"analysis/{prefix}surface_acc": ("image", acc_img),
+                 f"analysis/{prefix}surface_table": ("table", self._table_rows)}
+        if self.slices:
+            curves = {}
+            for label, d in zip(("direction 1", "direction 2"), (d1, d2), strict=True):
+                alphas, loss, acc = slice_1d(objective, d, self.surface_radius, self.surface_points)
+                curves[label] = loss
+                files.setdefault(f"{prefix}slices", {})[label] = {"alphas": alphas, "loss": loss, "acc": acc}
+            img = plots.curve_image(alphas, curves, f"{prefix}loss along each direction, round {round_no}", "step")
+            files[f"{name}slices.png"] = img
+            media[f"analysis/{prefix}slices"] = ("image", img)
+        self._log_media(trainer, round_no, media)
+
+    # ---- the partition ------------------------------------------------------------------------
+    def log_partition(self, trainer) -> None:
+        dm = trainer.datamodule
+        counts = partition_counts(dm.train_set.labels, dm.client_parts, dm.spec.num_classes)
+        image = plots.heatmap_image(counts, "training samples per client and class", "class", "client")
+        out = Path(trainer.default_root_dir) / "analysis"
+        out.mkdir(parents=True, exist_ok=True)
+        plots.save_png(image, out / "partition.png")
+        (out / "partition.json").write_text(json.dumps({"counts": counts.tolist()}))
+        rows = [[c, *counts[c].tolist(), int(counts[c].sum())] for c in range(len(counts))]
+        columns = ["client", *[f"class_{k}" for k in range(counts.shape[1])], "total"]
+        self._log_media(trainer, 0, {"analysis/partition": ("image", image),
+                                     "analysis/partition_counts": ("table", (columns, rows))})
+
+    # ---- outputs ------------------------------------------------------------------------------
+    def write_files(self, trainer, round_no: int, scalars: dict[str, float], files: dict[str, Any]) -> None:
+        if not trainer.is_global_zero:
+            return
+        out = Path(trainer.default_root_dir) / "analysis" / f"round_{round_no:03d}"
+        out.mkdir(parents=True, exist_ok=True)
+        numbers = {k: v for k, v in files.items() if not k.endswith(".png")}
+        (out / "analysis.json").write_text(json.dumps({"round": round_no, "scalars": scalars, **numbers}, indent=1))
+        for key, image in files.items():
+            if key.endswith(".png"):
+                plots.save_png(image, out / key)
+
+    def _log_media(self, trainer, round_no: int, media: dict[str, tuple[str, Any]]) -> None:
+        """Images, histograms and tables go straight to the W&B run (rank 0), with the round."""
+        if not trainer.is_global_zero:
+            return
+        from lightning.pytorch.loggers import WandbLogger
+
+        for logger in trainer.loggers:
+            if not isinstance(logger, WandbLogger):
+                continue
+            import wandb
+
+            payload: dict[str, Any] = {"round": round_no}
+            for key, (kind, value) in media.items():
+                if kind == "image":
+                    payload[key] = wandb.Image(value)
+                elif kind == "histogram":
+                    payload[key] = wandb.Histogram(value)
+                elif key.endswith("surface_table"):
+                    payload[key] = wandb.Table(columns=["round", "alpha", "beta", "loss", "acc"], data=value)
+                else:
+                    columns, rows = value
+                    payload[key] = wandb.Table(columns=columns, data=rows)
+            logger.experiment.log(payload)
+
+    def _once(self, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            rank_zero_info(message)
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(surface=self.surface, every_n_rounds=self.every_n_rounds)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"table_rows": self._table_rows}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._table_rows = list(state_dict.get("table_rows", []))
+
+
+def _federation(trainer) -> FederatedCallback | None:
+    return next((c for c in trainer.callbacks if isinstance(c, FederatedCallback)), None)
+
+
+def _stack(dataset, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    items = [dataset[int(i)] for i in idx]
+    return torch.stack([x for x, _ in items]), torch.as_tensor([int(y) for _, y in items], dtype=torch.int64)
+
+
+@torch.no_grad()
+def _scores(model: torch.nn.Module, state: dict[str, torch.Tensor] | None, x: torch.Tensor,
+            chunk_size: int) -> torch.Tensor:
+    """The model's class scores on x, in eval mode, at its own weights or at `state`."""
+    with eval_mode(model):
+        chunks = [x[i : i + chunk_size] for i in range(0, len(x), chunk_size)]
+        if state is None:
+            return torch.cat([model(c) for c in chunks]).float()
+        return torch.cat([functional_call(model, state, (c,)) for c in chunks]).float()

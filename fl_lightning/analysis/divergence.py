@@ -1,0 +1,56 @@
+"""How far a round's clients drift from the global model and from each other (FedSOL Fig. 6),
+how each model does per class (FedSOL Fig. 7), and how the data is split (the partition).
+
+All pure functions of tensors; the callback feeds them the round's accepted uploads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import torch
+
+
+def client_updates(uploads: Sequence[Mapping[str, torch.Tensor]], global_params: Mapping[str, torch.Tensor],
+                   ) -> torch.Tensor | None:
+    """Rows w_k - w_g (float64) over the parameters every upload carries, or None when the uploads
+    hold no model parameters (e.g. prototypes)."""
+    names = [n for n in global_params if all(n in u for u in uploads)]
+    if not uploads or not names:
+        return None
+    rows = [torch.cat([(u[n].double() - global_params[n].double()).reshape(-1).cpu() for n in names])
+            for u in uploads]
+    return torch.stack(rows)
+
+
+def divergence_stats(updates: torch.Tensor) -> dict[str, float]:
+    """||w_k - w_g|| summary over clients, and the mean over client pairs of ||w_i - w_j|| and of
+    cos(w_i - w_g, w_j - w_g), from one Gram matrix of the updates."""
+    gram = updates @ updates.T
+    sq = gram.diagonal()
+    dist = sq.clamp_min(0).sqrt()
+    out = {"client_global_dist_mean": float(dist.mean()), "client_global_dist_std": float(dist.std(unbiased=False)),
+           "client_global_dist_min": float(dist.min()), "client_global_dist_max": float(dist.max())}
+    k = len(updates)
+    if k >= 2:
+        i, j = torch.triu_indices(k, k, offset=1)
+        pair_dist = (sq[i] + sq[j] - 2 * gram[i, j]).clamp_min(0).sqrt()
+        cos = gram[i, j] / (dist[i] * dist[j]).clamp_min(1e-30)
+        out["client_pair_dist_mean"] = float(pair_dist.mean())
+        out["update_cosine_mean"] = float(cos.mean())
+    return out
+
+
+@torch.no_grad()
+def classwise_accuracy(scores: torch.Tensor, y: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """Accuracy per true class (NaN for a class absent from y)."""
+    correct = torch.bincount(y[scores.argmax(1) == y], minlength=num_classes).double()
+    total = torch.bincount(y, minlength=num_classes).double()
+    return torch.where(total > 0, correct / total.clamp_min(1), torch.full_like(total, float("nan")))
+
+
+def partition_counts(labels: np.ndarray, parts: Sequence[np.ndarray], num_classes: int) -> np.ndarray:
+    """Samples per (client, class): the clients x classes matrix of the partition."""
+    labels = np.asarray(labels)
+    return np.stack([np.bincount(labels[np.asarray(p, dtype=np.int64)], minlength=num_classes) for p in parts])
