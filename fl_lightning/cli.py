@@ -19,6 +19,7 @@ from pathlib import Path
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
+from fl_lightning import report, sweep
 from fl_lightning.data.datamodule import FederatedDataModule
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import FederatedCallback, FLDivergedError
@@ -135,6 +136,10 @@ def _one_line(err: BaseException) -> tuple[str, int] | None:
 
 def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("WANDB_SILENT", "true")
+    args = sys.argv[1:] if args is None else list(args)
+    if args[:1] in (["sweep"], ["report"]):  # not LightningCLI subcommands: fl_lightning/sweep.py, report.py
+        sys.exit(_run_tool(args))
+    args = sweep.agent_run_dir_args(args)
     try:
         FLCLI(
             FederatedMethod,
@@ -153,6 +158,15 @@ def main(args: list[str] | None = None) -> None:
             raise
         print(f"error: {reported[0]}", file=sys.stderr)
         sys.exit(reported[1])
+
+
+def _run_tool(args: list[str]) -> int:
+    tool = sweep if args[0] == "sweep" else report
+    try:
+        return tool.main(args[1:])
+    except FLUserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
