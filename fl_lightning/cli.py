@@ -207,10 +207,11 @@ def _interrupted_line(err: FLInterrupted) -> str:
 
 def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("WANDB_SILENT", "true")
-    args = sys.argv[1:] if args is None else list(args)
-    if args[:1] in (["sweep"], ["report"]):  # not LightningCLI subcommands: fl_lightning/sweep.py, report.py
-        sys.exit(_run_tool(args))
-    args = sweep.agent_run_dir_args(args)
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] in (["sweep"], ["report"]):  # not LightningCLI subcommands: fl_lightning/sweep.py, report.py
+        sys.exit(_run_tool(argv))
+    if sweep.agent_run_dir_args(argv) != argv:  # launched by a W&B sweep agent: a directory per run
+        args = sweep.agent_run_dir_args(argv)
     previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
     FLCLI.active = None
     try:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import itertools
 import json
@@ -264,23 +265,45 @@ def fl_args(spec: Spec, params: dict[str, Any]) -> list[str]:
     return out
 
 
-def parse_with_cli(args: list[str]) -> dict:
-    """Parse one fl-lightning command in-process (`--print_config`) and return the resolved
-    config; raises FLUserError with the CLI's own one-line message if it does not parse."""
-    from fl_lightning.cli import main
+class _Captured(BaseException):  # not an Exception: passes the CLI's own error handling untouched
+    pass
 
-    out, err = io.StringIO(), io.StringIO()
-    code: Any = 0
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            main([*args, "--print_config"])
-        except SystemExit as stop:
-            code = stop.code
-    if code not in (0, None):
-        lines = [line for line in err.getvalue().splitlines() if line.strip()]
-        message = next((line for line in lines if line.startswith("error:")), lines[-1] if lines else f"exit {code}")
-        raise FLUserError(message.removeprefix("error: "))
-    return yaml.safe_load(out.getvalue())
+
+@functools.cache
+def cli_parser():
+    """The CLI's own parser (LightningCLI with every fl-lightning option), built once: building it
+    takes most of a `--print_config`, and a table has hundreds of commands to check."""
+    from fl_lightning import cli
+
+    original = cli.FLCLI.parse_arguments
+
+    def capture(self, parser, args):
+        raise _Captured(parser)
+
+    cli.FLCLI.parse_arguments = capture
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            cli.main(["fit"])
+    except _Captured as got:
+        return got.args[0]
+    finally:
+        cli.FLCLI.parse_arguments = original
+    raise RuntimeError("the CLI did not reach argument parsing")
+
+
+def parse_with_cli(args: list[str]) -> dict:
+    """Parse one fl-lightning command as the CLI does (the same parser, --config files and all) and
+    return the resolved config of its subcommand; raises FLUserError with the CLI's own one-line
+    message if it does not parse."""
+    from fl_lightning.cli import _one_line
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            cfg = cli_parser().parse_args(list(args))
+    except Exception as err:
+        reported = _one_line(err)
+        raise FLUserError(reported[0] if reported else str(err).strip().splitlines()[0]) from None
+    return cfg[cfg.subcommand].as_dict()
 
 
 def plan(spec: Spec, root: Path, seed: int = 0, count: int | None = None, validate: bool = True) -> list[PlannedRun]:
