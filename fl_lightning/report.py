@@ -213,7 +213,7 @@ def build(sweep_dir: Path, compare: dict | None = None) -> Table:
             label = ", ".join(f"{short.get(k, k)}={display_value(v)}" for k, v in (entry.get("match") or {}).items())
             index = match_row(rows, entry)
             if index is None:
-                ours_text, ours = "not run", None
+                ours_text, ours = "no finished run", None
             else:
                 ours_text, ours = metric_cell(rows[index], metric)
             diff = "—" if ours is None or entry.get("acc") is None else f"{ours[0] - float(entry['acc']):+.2f}"

@@ -106,7 +106,7 @@ def test_compare_prints_ours_next_to_the_paper_with_the_difference(sweep_dir, tm
         "| model=FedAvg | final_acc | 60.00 ± 8.16 | 62.00 ± 1.00 | -2.00 |",
         "| model=FedNova | final_acc | 10.00 (Failed) | 10.00 (Failed) | +0.00 |",
         "| model=FedAvg | personal/ft5_acc_mean | 90.00 ± 8.16 | 85.00 | +5.00 |",
-        "| model=FedDyn | final_acc | not run | 50.00 | — |",
+        "| model=FedDyn | final_acc | no finished run | 50.00 | — |",
     ]
 
 
