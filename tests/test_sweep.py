@@ -154,7 +154,7 @@ def test_bad_specs_are_one_line_and_exit_2_before_any_run(tmp_path, parameters, 
     spec = {"name": "bad", "method": "grid", "parameters": parameters,
             "command": ["${env}", "fl-lightning", "fit", *TINY, "${args}"], **extra}
     path = tmp_path / "bad.yaml"
-    path.write_text(yaml.safe_dump(spec))
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
     code, out, err = run_cli(["sweep", str(path), "--local", "--root", str(tmp_path / "runs")])
     assert code == 2
     lines = err.strip().splitlines()
