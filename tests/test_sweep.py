@@ -209,6 +209,33 @@ def test_dry_run_prints_every_command_and_starts_nothing(tmp_path):
     assert not (tmp_path / "runs" / "d").exists()
 
 
+def test_restart_skips_finished_resumes_checkpointed_and_overwrites_the_rest(tmp_path, capsys):
+    spec = sweep.load_spec(write_spec(tmp_path / "s.yaml", {"seed_everything": {"values": [0, 1, 2, 3, 4]}}))
+    runs = sweep.plan(spec, tmp_path / "runs", validate=False)
+    local = sweep.LocalSweep(spec, runs, tmp_path / "runs", sweep.worker_envs(1, None, cores=1))
+    d = tmp_path / "runs" / "s"
+    (d / "seed=0" / "checkpoints").mkdir(parents=True)
+    (d / "seed=0" / "summary.json").write_text(json.dumps({"finished": True}))
+    (d / "seed=1" / "checkpoints").mkdir(parents=True)
+    (d / "seed=1" / "checkpoints" / "last.ckpt").write_bytes(b"x")
+    (d / "seed=1" / "summary.json").write_text(json.dumps({"finished": False, "rounds_completed": 3}))
+    (d / "seed=2").mkdir()
+    (d / "seed=2" / "config.yaml").write_text("{}")  # killed before its first round: no checkpoint
+    (d / ".sweep").mkdir()
+    (d / ".sweep" / "seed=3.json").write_text(json.dumps({"exit_code": sweep.EXIT_DIVERGED}))  # diverged: final
+    (d / "seed=3").mkdir()
+    (d / "seed=3" / "summary.json").write_text(json.dumps({"finished": False, "diverged": True}))
+    states = [local.command(r)[1] for r in runs]
+    assert states == ["finished", "resume", "restart", "diverged", "new"]
+    assert local.command(runs[1])[0][-1] == "--ckpt_path=last"
+    assert local.command(runs[2])[0][-1] == "--overwrite=true"
+    assert local.command(runs[4])[0] == runs[4].args
+    local.dry_run()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "# finished: seed=0" and out[3] == "# diverged: seed=3"
+    assert out[1].endswith("--ckpt_path=last") and out[4].startswith("fl-lightning fit ")
+
+
 # ---------------------------------------------------------------------------------------------
 # A real local sweep, killed and started again
 
