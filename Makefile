@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo demo-fedavg test lint bench clean
+.PHONY: install demo demo-fedavg table-demo test lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,12 @@ demo: $(STAMP)
 
 demo-fedavg: $(STAMP)
 	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/fl-lightning fit --config configs/fedavg_mnist5k.yaml
+
+# FedAvg, FedProx, SCAFFOLD, FedDyn, FedSOL x 3 seeds on MNIST-5k (configs/tables/demo_mnist5k.yaml):
+# 15 offline runs on 2 CPU workers, then the table. Interrupted, the same command continues.
+table-demo: $(STAMP)
+	-$(BIN)/fl-lightning sweep configs/tables/demo_mnist5k.yaml --local --workers $${WORKERS:-2}
+	$(BIN)/fl-lightning report runs/demo_mnist5k --compare configs/tables/demo_mnist5k.yaml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

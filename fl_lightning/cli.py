@@ -27,6 +27,7 @@ from pathlib import Path
 from lightning.pytorch.callbacks import Checkpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
+from fl_lightning import report, sweep
 from fl_lightning.analysis.callback import AnalysisCallback
 from fl_lightning.analysis.command import FLTrainer
 from fl_lightning.checkpointing import LAST, AtomicCheckpointIO, RoundCheckpoint, check_compatible, load_checkpoint_file
@@ -263,6 +264,11 @@ def _interrupted_line(err: FLInterrupted) -> str:
 
 def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("WANDB_SILENT", "true")
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] in (["sweep"], ["report"]):  # not LightningCLI subcommands: fl_lightning/sweep.py, report.py
+        sys.exit(_run_tool(argv))
+    if sweep.agent_run_dir_args(argv) != argv:  # launched by a W&B sweep agent: a directory per run
+        args = sweep.agent_run_dir_args(argv)
     previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
     FLCLI.active = None
     try:
@@ -294,6 +300,15 @@ def main(args: list[str] | None = None) -> None:
             FLCLI.active.run_dir.unlock()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _run_tool(args: list[str]) -> int:
+    tool = sweep if args[0] == "sweep" else report
+    try:
+        return tool.main(args[1:])
+    except FLUserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

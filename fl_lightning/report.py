@@ -1,0 +1,293 @@
+"""`fl-lightning report runs/<sweep>`: the table a paper would print, from the run directories.
+
+Each run's numbers come from its `summary.json` (final and best global test accuracy, the
+personalised accuracies `personal/*_acc_mean` of the last round, `diverged`, `failed`). Runs that
+differ only by their seed (`seed_everything`, `data.seed`, `data.partition_seed`) form one row:
+mean ± std over the seeds (numpy's std, ddof 0), in percent, with the number of seeds. As in the
+papers, a row whose runs all collapsed to chance reads `10.00 (Failed)` and one whose runs all
+diverged `(Diverged)`; partial failures are counted next to the mean. Diverged runs (NaN weights)
+are left out of the mean; failed runs keep their chance-level accuracy, as the papers print it.
+
+Row labels are the sweep parameters of each run (recorded by `fl-lightning sweep --local` in
+`.sweep/<run>.json`), or for other run directories the options whose values differ between runs
+in their `config.yaml`. `--compare configs/tables/<table>.yaml` adds the paper's published numbers
+for the matching rows and our difference to them.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from fl_lightning.errors import FLUserError
+from fl_lightning.sweep import SEED_KEYS, display_value, read_json, short_keys
+
+# Options that name where and how a run is stored, not what it computes.
+BOOKKEEPING_KEYS = ("ckpt_path", "overwrite", "trainer.default_root_dir", "trainer.logger.init_args.name",
+                    "trainer.logger.init_args.group", "trainer.logger.init_args.save_dir",
+                    "trainer.logger.init_args.version", "trainer.logger.init_args.id")
+
+
+@dataclass
+class Run:
+    name: str
+    path: Path
+    params: dict[str, Any]
+    summary: dict | None
+    record: dict | None
+    order: float
+
+    @property
+    def status(self) -> str:
+        s = self.summary or {}
+        if s.get("diverged"):
+            return "diverged"
+        if s.get("finished"):
+            return "failed" if s.get("failed") else "finished"
+        if s.get("failed") and (self.record or {}).get("exit_code") == 3:
+            return "failed"  # stopped by on_collapse: stop
+        if (self.record or {}).get("status") == "crashed":
+            return "crashed"
+        return "unfinished"
+
+
+@dataclass
+class Row:
+    params: dict[str, Any]
+    runs: list[Run] = field(default_factory=list)
+
+    def done(self) -> list[Run]:
+        return [r for r in self.runs if r.status in ("finished", "failed", "diverged")]
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def collect(sweep_dir: Path) -> list[Run]:
+    """Every run directory under `sweep_dir`, and runs the sweep recorded that never made one."""
+    meta = sweep_dir / ".sweep"
+    records = {p.stem: read_json(p) for p in sorted(meta.glob("*.json"))} if meta.is_dir() else {}
+    names = sorted({p.name for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")
+                    and ((p / "summary.json").exists() or (p / "config.yaml").exists())} | set(records))
+    configs = {}
+    for name in names:
+        cfg = sweep_dir / name / "config.yaml"
+        try:
+            configs[name] = flatten(yaml.safe_load(cfg.read_text()) or {}) if cfg.exists() else {}
+        except yaml.YAMLError:
+            configs[name] = {}
+    # Without sweep records: the options whose values differ between the runs label them.
+    keys = sorted({k for c in configs.values() for k in c})
+    varying = [k for k in keys if k not in BOOKKEEPING_KEYS
+               and len({repr(c.get(k)) for c in configs.values()}) > 1]
+    runs = []
+    for name in names:
+        record = records.get(name)
+        if record and isinstance(record.get("params"), dict):
+            params = record["params"]
+        else:
+            params = {k: configs[name].get(k) for k in varying}
+        runs.append(Run(name=name, path=sweep_dir / name, params=params,
+                        summary=read_json(sweep_dir / name / "summary.json"), record=record,
+                        order=(record or {}).get("index", math.inf)))
+    return sorted(runs, key=lambda r: (r.order, r.name))
+
+
+def group(runs: list[Run]) -> list[Row]:
+    rows: dict[str, Row] = {}
+    for run in runs:
+        key_params = {k: v for k, v in run.params.items() if k not in SEED_KEYS}
+        key = repr(sorted((k, display_value(v)) for k, v in key_params.items()))
+        rows.setdefault(key, Row(params=key_params)).runs.append(run)
+    return list(rows.values())
+
+
+def stats(values: list[float]) -> tuple[float, float] | None:
+    if not values:
+        return None
+    arr = np.asarray(values, dtype=float) * 100.0
+    return float(arr.mean()), float(arr.std())
+
+
+def fmt(pair: tuple[float, float] | None) -> str:
+    return "—" if pair is None else f"{pair[0]:.2f} ± {pair[1]:.2f}"
+
+
+def value(run: Run, metric: str):
+    """`final_acc` / `best_acc` from the summary, any other key from its last round (`last`)."""
+    summary = run.summary or {}
+    v = summary.get(metric) if metric in ("final_acc", "best_acc") else (summary.get("last") or {}).get(metric)
+    return v if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def metric_cell(row: Row, metric: str) -> tuple[str, tuple[float, float] | None]:
+    """The table cell of one metric with the papers' Failed/Diverged marks."""
+    done = row.done()
+    kept = [r for r in done if r.status != "diverged"]
+    pair = stats([v for v in (value(r, metric) for r in kept) if v is not None])
+    diverged = sum(r.status == "diverged" for r in done)
+    failed = sum(r.status == "failed" for r in done)
+    if done and diverged == len(done):
+        return "(Diverged)", None
+    if kept and failed == len(kept) and pair is not None:
+        text = f"{pair[0]:.2f} (Failed)"
+    else:
+        text = fmt(pair)
+        if failed:
+            text += f" ({failed}/{len(done)} failed)"
+    if diverged:
+        text += f" ({diverged}/{len(done)} diverged)"
+    return text, pair
+
+
+def personal_keys(runs: list[Run]) -> list[str]:
+    keys = {k for r in runs for k in ((r.summary or {}).get("last") or {})
+            if k.startswith("personal/") and k.endswith("_acc_mean")}
+    return sorted(keys)
+
+
+@dataclass
+class Table:
+    headers: list[str]
+    rows: list[list[str]]
+    csv_rows: list[dict[str, Any]]
+    notes: list[str]
+    compare_headers: list[str] = field(default_factory=list)
+    compare_rows: list[list[str]] = field(default_factory=list)
+
+
+def build(sweep_dir: Path, compare: dict | None = None) -> Table:
+    if not sweep_dir.is_dir():
+        raise FLUserError(f"report {sweep_dir}: no such directory")
+    runs = collect(sweep_dir)
+    done = [r for r in runs if r.status in ("finished", "failed", "diverged")]
+    if not done:
+        raise FLUserError(f"report {sweep_dir}: no finished runs (a run is finished when its summary.json says "
+                          f"\"finished\": true); {len(runs)} run director{'y' if len(runs) == 1 else 'ies'} found")
+    rows = [row for row in group(runs) if row.done()]
+    label_keys = list(dict.fromkeys(k for row in rows for k in row.params))
+    short = short_keys(label_keys)
+    personal = personal_keys(done)
+    extra = [m for m in dict.fromkeys(e.get("metric", (compare or {}).get("metric", "final_acc"))
+                                      for e in (compare or {}).get("entries", []))
+             if m not in ("final_acc", "best_acc") and m not in personal]
+    metrics = ["final_acc", "best_acc", *personal, *extra]
+    headers = [short[k] for k in label_keys] + ["final acc", "best acc", "seeds"]
+    headers += [k.removesuffix("_acc_mean") for k in personal] + extra
+    table = Table(headers=headers, rows=[], csv_rows=[], notes=[])
+    pairs: dict[int, dict[str, tuple[float, float] | None]] = {}
+    for i, row in enumerate(rows):
+        labels = [display_value(row.params[k]) if k in row.params else "" for k in label_keys]
+        cells = {m: metric_cell(row, m) for m in metrics}
+        pairs[i] = {m: c[1] for m, c in cells.items()}
+        n = len(row.done())
+        table.rows.append([*labels, cells["final_acc"][0], cells["best_acc"][0], str(n),
+                           *(cells[m][0] for m in metrics[2:])])
+        out: dict[str, Any] = {short[k]: v for k, v in zip(label_keys, labels, strict=True)}
+        out.update(seeds=n, diverged=sum(r.status == "diverged" for r in row.done()),
+                   failed=sum(r.status == "failed" for r in row.done()))
+        for m in metrics:
+            out[f"{m}_mean"], out[f"{m}_std"] = _num(pairs[i][m], 0), _num(pairs[i][m], 1)
+        out["runs"] = " ".join(r.name for r in row.done())
+        table.csv_rows.append(out)
+    for run in runs:
+        if run.status in ("crashed", "unfinished"):
+            error = (run.record or {}).get("error")
+            table.notes.append(f"{run.name}: {run.status}" + (f": {error}" if error else ""))
+    if compare is not None:
+        table.compare_headers = ["paper entry", "metric", "ours", "paper", "ours − paper"]
+        for entry in compare.get("entries", []):
+            metric = entry.get("metric", compare.get("metric", "final_acc"))
+            label = ", ".join(f"{short.get(k, k)}={display_value(v)}" for k, v in (entry.get("match") or {}).items())
+            index = match_row(rows, entry)
+            if index is None:
+                ours_text, ours = "no finished run", None
+            else:
+                ours_text, ours = metric_cell(rows[index], metric)
+            diff = "—" if ours is None or entry.get("acc") is None else f"{ours[0] - float(entry['acc']):+.2f}"
+            table.compare_rows.append([label, metric, ours_text, published_text(entry), diff])
+    return table
+
+
+def _num(pair, i):
+    return None if pair is None else round(pair[i], 4)
+
+
+def published_text(entry: dict) -> str:
+    acc, std = entry.get("acc"), entry.get("std")
+    if entry.get("failed"):
+        return f"{acc:.2f} (Failed)" if acc is not None else "(Failed)"
+    if acc is None:
+        return "—"
+    return f"{acc:.2f}" + (f" ± {std:.2f}" if std is not None else "")
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-12)
+    except (TypeError, ValueError):
+        return display_value(a) == display_value(b)
+
+
+def match_row(rows: list[Row], entry: dict) -> int | None:
+    """The row whose parameters agree with every key of the published entry's `match`."""
+    want = entry.get("match") or {}
+    for i, row in enumerate(rows):
+        if want and all(k in row.params and _same(row.params[k], v) for k, v in want.items()):
+            return i
+    return None
+
+
+def load_compare(path: Path) -> dict:
+    if not path.is_file():
+        raise FLUserError(f"--compare {path}: no such file")
+    doc = yaml.safe_load(path.read_text()) or {}
+    published = doc.get("published")
+    if not isinstance(published, dict) or not isinstance(published.get("entries"), list):
+        raise FLUserError(f"--compare {path}: expected a paper table with `published: {{metric, entries: [...]}}`")
+    return {**published, "title": f"{doc.get('paper', '')}: {doc.get('table', '')}".strip(": ")}
+
+
+def markdown(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    from fl_lightning.sweep import _Parser
+
+    p = _Parser(prog="fl-lightning report", description=__doc__.split("\n\n")[0])
+    p.add_argument("sweep_dir", help="a sweep's directory, e.g. runs/<sweep>")
+    p.add_argument("--compare", default=None, help="a paper table, configs/tables/<table>.yaml")
+    p.add_argument("--csv", default=None, help="where to write the CSV (default: <sweep_dir>/report.csv)")
+    opts = p.parse_args(argv)
+    compare = load_compare(Path(opts.compare)) if opts.compare else None
+    sweep_dir = Path(opts.sweep_dir)
+    table = build(sweep_dir, compare)
+    print(markdown(table.headers, table.rows))
+    for note in table.notes:
+        print(f"- {note}")
+    if compare is not None:
+        print(f"\nCompared with {compare['title']}:\n")
+        print(markdown(table.compare_headers, table.compare_rows))
+    csv_path = Path(opts.csv) if opts.csv else sweep_dir / "report.csv"
+    fields = list(dict.fromkeys(k for row in table.csv_rows for k in row))
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(table.csv_rows)
+    print(f"\n(CSV: {csv_path})")
+    return 0

@@ -1,0 +1,133 @@
+"""`fl-lightning report` on hand-made run directories: the hand-computed mean ± std over seeds, the
+papers' Failed/Diverged marks, personalised columns, the CSV, and `--compare` with a paper table."""
+
+import contextlib
+import csv
+import io
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fl_lightning.cli import main
+
+
+def make_run(sweep_dir: Path, name: str, params: dict, *, final=None, best=None, finished=True, diverged=False,
+             failed=False, last=None, status="finished", error=None, config=None, record=True) -> None:
+    run = sweep_dir / name
+    run.mkdir(parents=True)
+    summary = {"method": "X", "rounds_completed": 10 if finished else 3, "max_rounds": 10, "finished": finished,
+               "final_acc": final, "final_round": 10, "best_acc": best if best is not None else final,
+               "best_round": 9, "wall_time_s": 1.0, "diverged": diverged, "failed": failed,
+               "last": {"global/test_acc": final, **(last or {})}}
+    (run / "summary.json").write_text(json.dumps(summary))
+    (run / "config.yaml").write_text(yaml.safe_dump(config or {"seed_everything": params.get("seed_everything", 0)}))
+    if record:
+        (sweep_dir / ".sweep").mkdir(exist_ok=True)
+        (sweep_dir / ".sweep" / f"{name}.json").write_text(json.dumps(
+            {"name": name, "index": len(list((sweep_dir / ".sweep").glob("*.json"))), "params": params,
+             "status": status, "error": error, "exit_code": 3 if diverged else 0}))
+
+
+def report(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stop:
+        main(["report", *args])
+    return stop.value.code, out.getvalue(), err.getvalue()
+
+
+def rows(text: str) -> dict[str, list[str]]:
+    """Markdown table rows of the first table, by their first cell."""
+    table = text.split("\n\n")[0]
+    out = {}
+    for line in table.splitlines()[2:]:
+        if line.startswith("|"):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            out[cells[0]] = cells[1:]
+    return out
+
+
+@pytest.fixture
+def sweep_dir(tmp_path) -> Path:
+    d = tmp_path / "runs" / "hand"
+    m = "fl_lightning.methods."
+    for seed, (final, best, ft) in enumerate([(0.50, 0.55, 0.8), (0.60, 0.65, 0.9), (0.70, 0.80, 1.0)]):
+        make_run(d, f"FedAvg-{seed}", {"model.class_path": m + "FedAvg", "seed_everything": seed}, final=final,
+                 best=best, last={"personal/ft5_acc_mean": ft, "personal/ft5_acc_std": 0.5})
+    make_run(d, "SCAFFOLD-0", {"model.class_path": m + "SCAFFOLD", "seed_everything": 0}, final=0.40, best=0.45)
+    make_run(d, "SCAFFOLD-1", {"model.class_path": m + "SCAFFOLD", "seed_everything": 1}, final=0.30, best=0.35,
+             finished=False, diverged=True, status="diverged")
+    for seed in (0, 1):
+        make_run(d, f"FedNova-{seed}", {"model.class_path": m + "FedNova", "seed_everything": seed}, final=0.10,
+                 best=0.31, failed=True)
+    make_run(d, "FedSOL-0", {"model.class_path": m + "FedSOL", "seed_everything": 0}, final=0.2, finished=False,
+             status="running")
+    (d / ".sweep" / "FedSOL-1.json").write_text(json.dumps(
+        {"name": "FedSOL-1", "index": 9, "params": {"model.class_path": m + "FedSOL", "seed_everything": 1},
+         "status": "crashed", "exit_code": 1, "error": "RuntimeError: boom"}))
+    return d
+
+
+def test_mean_std_over_seeds_and_the_papers_marks(sweep_dir):
+    code, out, _ = report(str(sweep_dir))
+    assert code == 0
+    table = rows(out)
+    assert out.splitlines()[0] == "| model | final acc | best acc | seeds | personal/ft5 |"
+    # final 50, 60, 70: mean 60, population std sqrt(200/3) = 8.165; best 55, 65, 80: 66.67 ± sqrt(316.67/3) = 10.27
+    assert table["FedAvg"] == ["60.00 ± 8.16", "66.67 ± 10.27", "3", "90.00 ± 8.16"]
+    # The diverged seed is out of the mean and marked.
+    assert table["SCAFFOLD"][:3] == ["40.00 ± 0.00 (1/2 diverged)", "45.00 ± 0.00 (1/2 diverged)", "2"]
+    # Collapsed to chance in every seed: the papers' "10.00 (Failed)".
+    assert table["FedNova"][0] == "10.00 (Failed)" and table["FedNova"][2] == "2"
+    assert "FedSOL" not in table  # no finished run
+    assert "- FedSOL-0: unfinished" in out and "- FedSOL-1: crashed: RuntimeError: boom" in out
+    with open(sweep_dir / "report.csv") as f:
+        by_model = {r["model"]: r for r in csv.DictReader(f)}
+    assert float(by_model["FedAvg"]["final_acc_mean"]) == pytest.approx(60.0)
+    assert float(by_model["FedAvg"]["final_acc_std"]) == pytest.approx((200 / 3) ** 0.5, abs=1e-4)
+    assert by_model["SCAFFOLD"]["diverged"] == "1" and by_model["FedNova"]["failed"] == "2"
+
+
+def test_compare_prints_ours_next_to_the_paper_with_the_difference(sweep_dir, tmp_path):
+    table = tmp_path / "t.yaml"
+    table.write_text(yaml.safe_dump({"paper": "P", "table": "Table 9", "sweep": {}, "published": {
+        "metric": "final_acc", "entries": [
+            {"match": {"model.class_path": "FedAvg"}, "acc": 62.0, "std": 1.0},
+            {"match": {"model.class_path": "FedNova"}, "acc": 10.0, "failed": True},
+            {"match": {"model.class_path": "FedAvg"}, "metric": "personal/ft5_acc_mean", "acc": 85.0},
+            {"match": {"model.class_path": "FedDyn"}, "acc": 50.0},
+        ]}}))
+    code, out, _ = report(str(sweep_dir), "--compare", str(table))
+    assert code == 0
+    compared = out.split("Compared with P: Table 9:")[1]
+    lines = [line for line in compared.splitlines() if line.startswith("| model=")]
+    assert lines == [
+        "| model=FedAvg | final_acc | 60.00 ± 8.16 | 62.00 ± 1.00 | -2.00 |",
+        "| model=FedNova | final_acc | 10.00 (Failed) | 10.00 (Failed) | +0.00 |",
+        "| model=FedAvg | personal/ft5_acc_mean | 90.00 ± 8.16 | 85.00 | +5.00 |",
+        "| model=FedDyn | final_acc | no finished run | 50.00 | — |",
+    ]
+
+
+def test_runs_without_sweep_records_are_labelled_by_the_options_that_differ(tmp_path):
+    d = tmp_path / "plain"
+    for name, alpha, seed, acc in [("a", 0.1, 0, 0.2), ("b", 0.1, 1, 0.4), ("c", 0.5, 0, 0.9)]:
+        config = {"seed_everything": seed, "data": {"alpha": alpha, "seed": 0, "dataset": "digits"},
+                  "trainer": {"default_root_dir": str(d / name)}}
+        make_run(d, name, {}, final=acc, config=config, record=False)
+    code, out, _ = report(str(d))
+    assert code == 0
+    table = rows(out)
+    assert out.splitlines()[0].startswith("| alpha | final acc |")
+    assert table["0.1"][:3] == ["30.00 ± 10.00", "30.00 ± 10.00", "2"] and table["0.5"][2] == "1"
+
+
+def test_no_finished_runs_is_one_line_and_exit_2(tmp_path):
+    d = tmp_path / "empty"
+    make_run(d, "x", {"seed_everything": 0}, final=0.3, finished=False, status="running")
+    code, out, err = report(str(d))
+    assert code == 2 and out == ""
+    assert err.startswith("error: report ") and "no finished runs" in err and len(err.strip().splitlines()) == 1
+    code, _, err = report(str(tmp_path / "nowhere"))
+    assert code == 2 and "no such directory" in err
