@@ -66,8 +66,10 @@ class FLCLI(LightningCLI):
 
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
-        """fit, validate and test: Lightning's `predict` is left out, no method has a predict step."""
-        return {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
+        """fit, validate, test and analyze (FLTrainer.analyze: the --analysis.* analyses of a
+        checkpoint); Lightning's `predict` is left out, no method has a predict step."""
+        kept = {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
+        return {**kept, "analyze": {"model", "datamodule"}}
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(FederatedCallback, "federation")
@@ -132,11 +134,6 @@ class FLCLI(LightningCLI):
         finish_wandb(exit_code=0)
 
     after_validate = after_test = after_analyze = after_fit
-
-    @staticmethod
-    def subcommands() -> dict[str, set[str]]:
-        # `analyze` (FLTrainer.analyze): the --analysis.* analyses of a checkpoint
-        return {**LightningCLI.subcommands(), "analyze": {"model", "datamodule"}}
 
     def _instantiate_trainer(self, config: dict, callbacks: list):
         # Added next to (not instead of) the user's trainer.callbacks, and only where the user has
