@@ -19,7 +19,7 @@ from fl_lightning.analysis.hessian import hessian_spectrum, hutchinson_trace
 from fl_lightning.analysis.objective import SubsetObjective, flatten, unflatten
 from fl_lightning.analysis.surface import filter_normalized_direction, surface_2d
 from fl_lightning.data.partition import split_train_test
-from fl_lightning.methods import FedAvg, FedORGP, FedSOL
+from fl_lightning.methods import SCAFFOLD, FedAvg, FedORGP, FedSOL
 from fl_lightning.models import FLModel, register_model
 
 
@@ -214,7 +214,7 @@ class _DropoutBN(FLModel):
 register_model("test_dropout_bn", lambda spec, **kw: _DropoutBN(spec))
 
 
-@pytest.mark.parametrize("method_cls", [FedAvg, FedSOL])
+@pytest.mark.parametrize("method_cls", [FedAvg, FedSOL, SCAFFOLD])  # SCAFFOLD uploads more than the model
 def test_analysis_on_or_off_trains_the_same_model_bit_for_bit(tmp_path, method_cls):
     x, y = toy_data(n=60, num_classes=3)
     parts = [list(range(0, 20)), list(range(20, 40)), list(range(40, 60))]

@@ -227,8 +227,9 @@ class AnalysisCallback(L.Callback):
             if uploads:
                 self._once("uploads do not carry whole local models: no local class-wise accuracy")
             return out
-        local = torch.stack([classwise_accuracy(_scores(model, u.tensors, x, self.chunk_size), y, num_classes)
-                             for u in full])
+        # uploads may carry more than the model (SCAFFOLD's control variates): only the model's keys
+        local = torch.stack([classwise_accuracy(_scores(model, {k: u.tensors[k] for k in keys}, x, self.chunk_size),
+                                                y, num_classes) for u in full])
         out["local_class_acc_mean"] = float(np.nanmean(local.numpy()))
         files["classwise_local"] = {"clients": [u.client for u in full], "acc": local.tolist(),
                                     "global": global_acc.tolist()}
