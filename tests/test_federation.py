@@ -85,3 +85,31 @@ def test_fit_runs_every_sampled_client_and_resets_momentum(monkeypatch):
     fit(method, dm, rounds=2)
     assert [s[0] for s in starts] == [0, 1, 2, 0, 1, 2]
     assert all(n_state == 0 and fresh for _, n_state, fresh in starts)
+
+
+def test_method_and_data_options_of_the_same_name_are_both_logged():
+    """FedDyn's alpha and the Dirichlet alpha: Lightning used to stop the run ("Error while merging
+    hparams") whenever a logger was on; now the data's options are logged under `data`."""
+    from lightning.pytorch.loggers import Logger
+
+    from fl_lightning.methods import FedDyn
+
+    class Recorder(Logger):
+        name, version, logged = "recorder", 0, []
+
+        def log_hyperparams(self, params, *args, **kwargs):
+            self.logged.append(dict(params))
+
+        def log_metrics(self, metrics, step=None):
+            pass
+
+    x, y = toy_data(n=40, size=4, num_classes=3)
+    name = register_tensors(x, y, num_classes=3)
+    dm = FederatedDataModule(dataset=name, num_clients=2, partition="dirichlet", alpha=0.3, min_size=1,
+                             batch_size=10, local_epochs=1)
+    method = FedDyn(model="mlp", alpha=0.05, data_spec=dm.spec)
+    recorder = Recorder()
+    fit(method, dm, logger=recorder)
+    (params,) = recorder.logged
+    assert params["alpha"] == 0.05 and params["data"]["alpha"] == 0.3
+    assert params["data"]["partition"] == "dirichlet"

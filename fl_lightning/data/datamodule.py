@@ -15,6 +15,7 @@ from typing import Literal
 import lightning as L
 import numpy as np
 import torch
+from lightning.fabric.utilities.data import AttributeDict
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 
 from fl_lightning.data import partition as partitioners
@@ -197,6 +198,13 @@ class FederatedDataModule(L.LightningDataModule):
         self.client_parts: list[np.ndarray] = []
         self.client_test_parts: list[np.ndarray] = []
         self.round_plan: RoundPlan | None = None
+
+    @property
+    def hparams_initial(self) -> AttributeDict:
+        """What loggers get, under `data`: Lightning merges the method's and the data's
+        hyperparameters into one flat dict and stops the run when a name is in both with different
+        values (FML's, FedDyn's and PerFedAvg's `alpha` against the Dirichlet `alpha`)."""
+        return AttributeDict({"data": dict(super().hparams_initial)})
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
