@@ -254,7 +254,7 @@ def test_wandb_rows_are_on_disk_when_the_run_is_finished(tmp_path, monkeypatch):
     from fl_lightning.loggers import read_offline_history
 
     monkeypatch.setenv("WANDB_MODE", "offline")
-    for attempt in range(3):
+    for attempt in range(5):
         run = wandb.init(project="t", dir=str(tmp_path), name=f"r{attempt}")
         for i in range(5):
             run.log({"global/test_acc": i / 10})
