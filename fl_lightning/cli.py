@@ -33,7 +33,7 @@ from fl_lightning.methods import FederatedMethod
 from fl_lightning.personalization import PersonalizationCallback
 from fl_lightning.progress import RoundProgressBar
 from fl_lightning.results import ResultsCallback
-from fl_lightning.rundir import RunDirectory
+from fl_lightning.rundir import RunDirectory, is_first_process
 
 
 class FLInterrupted(BaseException):
@@ -109,7 +109,7 @@ class FLCLI(LightningCLI):
             init.save_dir = root
         overwrite = bool(cfg.get("overwrite"))
         cfg["overwrite"] = False  # not saved into config.yaml: re-running that file must not wipe this run
-        if self.subcommand == "fit":
+        if self.subcommand == "fit" and is_first_process():
             self.run_dir = RunDirectory(root)
             self.run_dir.prepare_fit(resuming=bool(cfg.get("ckpt_path")), overwrite=overwrite)
 
@@ -156,6 +156,10 @@ def finish_wandb(exit_code: int) -> None:
     wandb = sys.modules.get("wandb")
     if wandb is not None and wandb.run is not None:
         wandb.finish(exit_code=exit_code)
+        # finish() can return before W&B's core process has written the run's last block (a
+        # small offline run's file is then just its header); teardown waits for it, so the
+        # run's files are complete when the command returns (for `wandb sync`, sweeps, tests).
+        wandb.teardown()
 
 
 def _method_names() -> list[str]:

@@ -15,11 +15,20 @@ import os
 import shutil
 from pathlib import Path
 
+from fl_lightning.checkpointing import remove_stray_temporaries
 from fl_lightning.errors import FLUserError
 
 LOCK_NAME = ".fl-lightning.lock"
 # What makes a directory "hold a run", and what --overwrite removes (W&B keeps its own run folders).
 RUN_FILES = ("config.yaml", "checkpoints", "metrics.csv", "summary.json")
+
+
+def is_first_process() -> bool:
+    """Rank 0 of node 0, read from the environment because the run directory is claimed before the
+    Trainer exists (the other ranks of a DDP run, started by Lightning's launcher, torchrun or
+    srun, share rank 0's directory and must not lock or clear it)."""
+    return all(int(os.environ.get(name, "0") or 0) == 0
+               for name in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID"))
 
 
 class RunDirectory:
@@ -44,6 +53,8 @@ class RunDirectory:
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self._lock_fd = fd
+        for directory in (self.root, self.root / "checkpoints"):  # left by a process killed mid-write
+            remove_stray_temporaries(directory)
 
     def unlock(self) -> None:
         if self._lock_fd is not None:
@@ -58,10 +69,19 @@ class RunDirectory:
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
+        for path in self.root.glob("hpc_ckpt_*.ckpt"):  # Lightning would resume these on SLURM
+            path.unlink()
+
+    def requeued_by_slurm(self) -> bool:
+        """A SLURM job requeued by Lightning's auto-requeue restarts with its original command;
+        Lightning then resumes from the `hpc_ckpt_*.ckpt` it saved (which holds the last
+        completed round, see checkpointing.AtomicCheckpointIO)."""
+        restarted = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0) > 0
+        return restarted and any(self.root.glob("hpc_ckpt_*.ckpt"))
 
     def prepare_fit(self, resuming: bool, overwrite: bool) -> None:
         self.lock()
-        if resuming:
+        if resuming or self.requeued_by_slurm():
             return
         if self.holds_run():
             if not overwrite:

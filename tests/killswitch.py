@@ -31,7 +31,8 @@ class KillSwitch(L.Callback):
 
         def fsync_then_die(fd):
             path = os.readlink(f"/proc/self/fd/{fd}")
-            if switch._this_round(trainer) and checkpointing.TEMP_MARK in os.path.basename(path):
+            name = os.path.basename(path)
+            if switch._this_round(trainer) and name.startswith(checkpointing.TEMP_MARK) and name.endswith(".ckpt"):
                 os.ftruncate(fd, os.fstat(fd).st_size // 2)
                 switch._fire()
             real_fsync(fd)

@@ -104,7 +104,7 @@ def test_sigkill_in_round_4_then_resume_equals_uninterrupted(method, where, stra
         assert list((root / "checkpoints").glob(".partial-*")), "the killed write should have left its temp file"
     code, err = finish(start(method, root, "--ckpt_path", "last"))
     assert code == 0, err[-2000:]
-    assert not list((root / "checkpoints").glob(".partial-*")), "stray temporary files are removed on restart"
+    assert not list(root.glob("**/.partial-*")), "stray temporary files are removed on restart"
     assert_same_run(straight_runs[method], root)
 
 
@@ -212,3 +212,72 @@ def test_two_fits_at_once_in_one_directory(tmp_path):
     finally:
         first.kill()
         first.communicate()
+
+
+# ---- a NaN global evaluation with finite weights ----------------------------------------------------
+
+
+def test_non_finite_global_test_loss_goes_through_the_divergence_policy(caplog):
+    from fl_test_utils import fit, one_client_module, toy_data
+
+    from fl_lightning.federation import FLDivergedError
+    from fl_lightning.methods import FedAvg
+
+    class NaNLogitsFromRound2(FedAvg):
+        """Finite weights, non-finite class scores: what an overflowing logit looks like."""
+
+        def predict_logits(self, x):
+            logits = super().predict_logits(x)
+            return logits * float("nan") if self.round_idx >= 1 else logits
+
+    x, y = toy_data(n=12)
+    dm = one_client_module(x, y)
+    with pytest.raises(FLDivergedError, match="test loss is nan.*round 2/3"):
+        fit(NaNLogitsFromRound2(model="mlp", data_spec=dm.spec), dm, rounds=3)
+    dm = one_client_module(x, y)
+    caplog.clear()
+    trainer = fit(NaNLogitsFromRound2(model="mlp", data_spec=dm.spec), dm, rounds=3, on_divergence="skip_client")
+    assert trainer.current_epoch == 3
+    assert "non-finite global test loss (nan) at round 2/3" in caplog.text
+    assert "round 2/3: global test acc" in caplog.text  # the round's line is reported, not skipped
+
+
+# ---- W&B history is complete on disk when a command returns ------------------------------------------
+
+
+def test_wandb_rows_are_on_disk_when_the_run_is_finished(tmp_path, monkeypatch):
+    """wandb.finish() can return before W&B's core process writes the last block (measured here:
+    2 of 3 small offline runs were still a 7-byte file right after finish)."""
+    import wandb
+
+    from fl_lightning.cli import finish_wandb
+    from fl_lightning.loggers import read_offline_history
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for attempt in range(5):
+        run = wandb.init(project="t", dir=str(tmp_path), name=f"r{attempt}")
+        for i in range(5):
+            run.log({"global/test_acc": i / 10})
+        finish_wandb(exit_code=0)
+        rows = read_offline_history(next(Path(run.dir).parent.glob("run-*.wandb")))
+        assert [r["global/test_acc"] for r in rows] == [0.0, 0.1, 0.2, 0.3, 0.4]
+
+
+def test_a_damaged_wandb_file_is_an_error_not_missing_rows(tmp_path):
+    import wandb
+
+    from fl_lightning.cli import finish_wandb
+    from fl_lightning.loggers import IncompleteRunFile, read_offline_history
+
+    run = wandb.init(project="t", dir=str(tmp_path), mode="offline")
+    run.log({"a": 1})
+    finish_wandb(exit_code=0)
+    path = next(Path(run.dir).parent.glob("run-*.wandb"))
+    data = bytearray(path.read_bytes())
+    (tmp_path / "cut.wandb").write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(IncompleteRunFile):
+        read_offline_history(tmp_path / "cut.wandb")
+    data[len(data) // 2] ^= 0xFF
+    (tmp_path / "flipped.wandb").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum|exit record"):
+        read_offline_history(tmp_path / "flipped.wandb")
