@@ -110,18 +110,18 @@ class IncompleteRunFile(ValueError):
     """The .wandb file has no exit record yet: W&B has not finished writing it."""
 
 
-def read_offline_history(run_file: str | Path, require_complete: bool = True) -> list[dict]:
-    """The metric rows of an offline W&B run (`run-<id>.wandb`), read without a W&B server (wandb
-    ships no reader for these files).
+def offline_records(run_file: str | Path, require_complete: bool = True):
+    """Every `wandb_internal_pb2.Record` of an offline W&B run file (`run-<id>.wandb`), in order
+    (history rows, the run record with its config, group and tags, metric definitions, ...), read
+    without a W&B server (wandb ships no reader for these files).
 
     The file is a LevelDB-style record log (7-byte ':W&B' header, 32 KiB blocks of records with a
-    crc32/length/type header, types FULL/FIRST/MIDDLE/LAST) of `wandb_internal_pb2.Record`
-    protobufs. W&B's core process writes it in whole blocks, and `wandb.finish()` can return before
-    the last block reaches the disk (a small run's file is then only the 7-byte header); so a run
-    counts as readable only once its `exit` record is there, which `finish_wandb` in the CLI waits
+    crc32/length/type header, types FULL/FIRST/MIDDLE/LAST) of protobufs. W&B's core process writes
+    it in whole blocks, and `wandb.finish()` can return before the last block reaches the disk (a
+    small run's file is then only the 7-byte header); so a run counts as readable only once its
+    `exit` record is there (`IncompleteRunFile` otherwise), which `finish_wandb` in the CLI waits
     for. A record whose checksum does not match is an error, never skipped silently.
     """
-    import json
     import struct
     import zlib
 
@@ -130,7 +130,7 @@ def read_offline_history(run_file: str | Path, require_complete: bool = True) ->
     data = Path(run_file).read_bytes()
     if data[:4] != b":W&B":
         raise ValueError(f"{run_file} is not a W&B run file")
-    block, pos, rows, pending, complete = 32768, 7, [], b"", False
+    block, pos, pending, complete = 32768, 7, b"", False
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # block trailer too small for a header: padding
             pos += block - pos % block
@@ -150,43 +150,17 @@ def read_offline_history(run_file: str | Path, require_complete: bool = True) ->
             continue
         record = pb.Record()
         record.ParseFromString(pending)
-        which = record.WhichOneof("record_type")
-        if which == "history":
-            rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                         for item in record.history.item})
-        elif which == "exit":
-            complete = True
+        complete = complete or record.WhichOneof("record_type") == "exit"
+        yield record
     if require_complete and not complete:
         raise IncompleteRunFile(f"{run_file}: no exit record; W&B has not finished writing this run "
                                 f"(or it was killed)")
-    return rows
 
 
-def offline_records(run_file: str | Path):
-    """Every `wandb_internal_pb2.Record` of an offline W&B run file, in order (history rows, the
-    run record with its config, group and tags, metric definitions, ...); same framing as
-    `read_offline_history`."""
-    import struct
+def read_offline_history(run_file: str | Path, require_complete: bool = True) -> list[dict]:
+    """The metric rows of an offline W&B run (see `offline_records`)."""
+    import json
 
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    data = Path(run_file).read_bytes()
-    if data[:4] != b":W&B":
-        raise ValueError(f"{run_file} is not a W&B run file")
-    block, pos, pending = 32768, 7, b""
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # block trailer too small for a header: padding
-            pos += block - pos % block
-            continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
-        chunk = data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind == 0 and length == 0:
-            pos += block - pos % block if pos % block else 0
-            continue
-        pending = chunk if kind in (1, 2) else pending + chunk
-        if kind not in (1, 4):
-            continue
-        record = pb.Record()
-        record.ParseFromString(pending)
-        yield record
+    return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            for record in offline_records(run_file, require_complete)
+            if record.WhichOneof("record_type") == "history"]
