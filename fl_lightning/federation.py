@@ -1,8 +1,8 @@
 """The round: a Lightning Callback that turns one training epoch into one communication round.
 
-It knows no method by name. At round start it asks the method to take the global state; at each
-client's first batch it starts that client; after the client's last batch it collects the
-client's upload (and checks it is finite); after the round's last batch it has the method
+It knows no method by name. At round start it asks the method to take the global state; one
+Trainer batch is one client, so before each batch it starts that client and after it collects the
+client's upload (and checks it is finite); after the round's last client it has the method
 aggregate the accepted uploads (and lets those clients keep their new local state), before
 Lightning's validation loop evaluates the new global model. What the method
 uploads and how the server combines it is entirely the method's business (`methods/base.py`).
@@ -57,7 +57,9 @@ def weighted_average(
 
 
 def all_finite(tensors: Mapping[str, torch.Tensor]) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors.values() if torch.is_floating_point(t))
+    """One device sync for the whole dict, not one per tensor."""
+    checks = [torch.isfinite(t).all() for t in tensors.values() if torch.is_floating_point(t)]
+    return bool(torch.stack(checks).all()) if checks else True
 
 
 class FederatedCallback(L.Callback):
@@ -111,31 +113,26 @@ class FederatedCallback(L.Callback):
             raise RuntimeError(f"round plan is for round {getattr(plan, 'round', None)}, "
                                f"not {trainer.current_epoch}")
         self._plan = plan
-        self._starts = {c.first_batch: c for c in plan.clients}
-        self._ends = {c.first_batch + c.num_batches - 1: c for c in plan.clients}
+        self._clients_done = 0
         self._uploads, self._skipped = [], []
         self._local_stats: list[dict[str, float]] = []
         pl_module.round_start(plan.round, [c.client for c in plan.clients])
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        steps = self._starts.get(batch_idx)
-        if steps is not None:
-            pl_module.client_start(steps.client, steps.num_samples)
+        pl_module.client_start(batch.client, batch.num_samples)  # one batch = one client
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        steps = self._ends.get(batch_idx)
-        if steps is None:
-            return
         upload = pl_module.client_end()
+        self._clients_done += 1
         if not all_finite(upload.tensors):
-            self._diverged(trainer, pl_module, steps.client)
+            self._diverged(trainer, pl_module, batch.client)
         else:
             stats = dict(upload.stats)
             if self.eval_local_models and pl_module.has_global_model:
                 stats["local_acc"], stats["local_loss"] = pl_module.evaluate(self._local_eval_loader(trainer))
             self._local_stats.append(stats)
             self._uploads.append(upload)
-        if batch_idx == self._plan.num_batches - 1:
+        if self._clients_done == len(self._plan.clients):
             self._finish_round(trainer, pl_module)
 
     def _finish_round(self, trainer, pl_module) -> None:
@@ -152,6 +149,7 @@ class FederatedCallback(L.Callback):
                                   f"{self._where(trainer, pl_module)}")
         pl_module.round_end()
         metrics = {"round": float(self._plan.round), "lr": lr, "clients/skipped": float(len(self._skipped))}
+        metrics.update(pl_module.flush_local_logs())
         for key in sorted({k for s in self._local_stats for k in s}):
             values = torch.tensor([s[key] for s in self._local_stats if key in s], dtype=torch.float64)
             metrics[f"local/{key}_mean"] = float(values.mean())

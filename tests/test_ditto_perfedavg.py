@@ -45,9 +45,9 @@ def ce_grad(model, w: dict, x, y) -> dict:
 class RecordingDitto(Ditto):
     """Ditto that records every client's local batches and uploads."""
 
-    def training_step(self, batch, batch_idx):
+    def minibatch_step(self, batch):
         self.seen.setdefault(self.current_client, []).append((batch[0].clone(), batch[1].clone()))
-        return super().training_step(batch, batch_idx)
+        return super().minibatch_step(batch)
 
     def client_end(self):
         upload = super().client_end()
@@ -166,9 +166,9 @@ def test_bad_options_fail_fast():
 
 # ---- Per-FedAvg -----------------------------------------------------------------------------------
 class RecordingPerFedAvg(PerFedAvg):
-    def training_step(self, batch, batch_idx):
+    def minibatch_step(self, batch):
         self.seen.append((batch[0].clone(), batch[1].clone()))
-        return super().training_step(batch, batch_idx)
+        return super().minibatch_step(batch)
 
 
 def perfedavg_one_step(variant, alpha, n=7):

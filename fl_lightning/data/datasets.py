@@ -9,7 +9,10 @@ offline and are what the demo, tests and benchmarks use.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from fl_lightning.data.tensors import TensorImages
 from fl_lightning.errors import FLUserError, unknown_name
 
 
@@ -73,11 +77,22 @@ def spec_of(name: str) -> DataSpec:
 
 class LabelledDataset(Dataset):
     """A dataset together with its labels as an int64 array, which partitioners need without
-    decoding every image."""
+    decoding every image. `in_memory` builds the same samples as tensors (data/tensors.py) for
+    datasets that fit in memory; image folders have none and are read through a DataLoader."""
 
-    def __init__(self, base: Dataset, labels: np.ndarray):
+    def __init__(self, base: Dataset, labels: np.ndarray, in_memory: Callable[[], TensorImages] | None = None):
         self.base = base
         self.labels = np.asarray(labels, dtype=np.int64)
+        if in_memory is None and isinstance(base, TensorDataset):
+            in_memory = functools.partial(_from_tensor_dataset, base)
+        self._in_memory = in_memory
+        self._tensors: TensorImages | None = None
+
+    def tensors(self) -> TensorImages | None:
+        """The whole dataset as tensors (built once), or None if it is not held in memory."""
+        if self._tensors is None and self._in_memory is not None:
+            self._tensors = self._in_memory()
+        return self._tensors
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -85,6 +100,29 @@ class LabelledDataset(Dataset):
     def __getitem__(self, i):
         x, y = self.base[i]
         return x, int(y)
+
+
+def _from_tensor_dataset(base: TensorDataset) -> TensorImages:
+    x, y = base.tensors
+    return TensorImages(x, torch.as_tensor(y, dtype=torch.int64))
+
+
+def _uint8_images(data, mean, std, augment: bool) -> Callable[[], TensorImages]:
+    """Builds TensorImages from 8-bit images (N, H, W), (N, H, W, C) or, with `chw`, (N, C, H, W)."""
+
+    def build() -> TensorImages:
+        x = torch.as_tensor(np.asarray(data), dtype=torch.uint8)
+        if x.ndim == 3:
+            x = x[:, None]
+        elif x.shape[-1] in (1, 3) and x.shape[1] not in (1, 3):
+            x = x.permute(0, 3, 1, 2)
+        return TensorImages(x.contiguous(), torch.empty(0), mean, std, augment)
+
+    return build
+
+
+def _with_labels(build: Callable[[], TensorImages], labels: np.ndarray) -> Callable[[], TensorImages]:
+    return lambda: dataclasses.replace(build(), labels=torch.as_tensor(np.asarray(labels), dtype=torch.int64))
 
 
 def default_root() -> Path:
@@ -195,12 +233,18 @@ def _torchvision(name: str, root: Path, download: bool, augment: bool):
         if name == "svhn":
             train = tvd.SVHN(root, split="train", download=download, transform=_transforms(name, True, augment))
             test = tvd.SVHN(root, split="test", download=download, transform=_transforms(name, False, augment))
-            return LabelledDataset(train, train.labels), LabelledDataset(test, test.labels)
-        train = cls(root, train=True, download=download, transform=_transforms(name, True, augment))
-        test = cls(root, train=False, download=download, transform=_transforms(name, False, augment))
+        else:
+            train = cls(root, train=True, download=download, transform=_transforms(name, True, augment))
+            test = cls(root, train=False, download=download, transform=_transforms(name, False, augment))
     except (RuntimeError, OSError) as err:  # torchvision: "Dataset not found"; urllib: no network
         raise _missing(name, root, download) from err
-    return LabelledDataset(train, np.asarray(train.targets)), LabelledDataset(test, np.asarray(test.targets))
+    mean, std = NORMALIZATION[name]
+    sets = []
+    for ds, train_split in ((train, True), (test, False)):
+        labels = np.asarray(ds.labels if name == "svhn" else ds.targets)
+        tensors = _uint8_images(ds.data, mean, std, train_split and augment and name in AUGMENTED_DATASETS)
+        sets.append(LabelledDataset(ds, labels, _with_labels(tensors, labels)))
+    return sets[0], sets[1]
 
 
 def _cinic10(root: Path, augment: bool):
@@ -248,7 +292,9 @@ def _medmnist(name: str, root: Path, download: bool):
     for split in ("train", "test"):
         labels = parts[f"{split}_labels"].reshape(-1).astype(np.int64)  # medmnist stores shape (N, 1)
         images = parts[f"{split}_images"]
-        sets.append(LabelledDataset(_NumpyImages(images, labels, _transforms(name, split == "train", False)), labels))
+        tensors = _with_labels(_uint8_images(images, *NORMALIZATION["medmnist"], augment=False), labels)
+        sets.append(LabelledDataset(_NumpyImages(images, labels, _transforms(name, split == "train", False)), labels,
+                                    tensors))
     return sets[0], sets[1]
 
 

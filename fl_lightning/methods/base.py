@@ -5,7 +5,8 @@ combines the uploads. The federated callback (federation.py) calls these hooks i
     round_start(round, clients)      server: snapshot the global state every client starts from
     client_start(client, n)          client: load the global state (+ its own persistent state),
                                      fresh optimizer state
-    training_step(batch)             client: one local step
+    training_step(work)              client: its whole local training, calling
+                                     minibatch_step(batch) once per local mini-batch
     client_end() -> ClientUpload     client: what it sends; state it keeps without sending it goes
                                      through keep_on_client (committed if the upload is accepted)
     aggregate(uploads)               server: uploads -> new global state, loaded into self.model
@@ -28,9 +29,13 @@ from typing import Literal
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
+from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from fl_lightning.data.datamodule import ClientWork
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import ClientUpload, weighted_average
@@ -83,6 +88,7 @@ class FederatedMethod(L.LightningModule):
         self.model: FLModel = self.build_network(model, data_spec)
         self.val_acc = MulticlassAccuracy(num_classes=data_spec.num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=data_spec.num_classes, average="micro")
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
         self.global_weights: dict[str, torch.Tensor] | None = None
         self.round_idx = -1
         self.current_client: int | None = None
@@ -94,6 +100,8 @@ class FederatedMethod(L.LightningModule):
         self.constraint = constraint
         self._constraint: ChannelConstraint | None = None  # this round's constraint set
         self._base_after_step_ran = False
+        self._local_logs: dict[str, tuple[list, list[int]]] = {}
+        self._direct_steps = False  # see sgd_step
 
     def build_network(self, name: str, spec: DataSpec) -> FLModel:
         return build_model(name, spec)
@@ -119,6 +127,20 @@ class FederatedMethod(L.LightningModule):
     def reset_optimizer_state(self) -> None:
         """Momentum buffers start at zero for every client, every round, and are never uploaded."""
         self.optimizers().optimizer.state.clear()
+
+    def on_train_start(self) -> None:
+        self._direct_steps = self._steps_need_no_lightning_wrappers()
+
+    def _steps_need_no_lightning_wrappers(self) -> bool:
+        """True on one device with 32-bit precision when neither a callback nor the module
+        overrides a per-step optimization hook: `manual_backward` and `LightningOptimizer.step`
+        then add nothing but their cost (a third of a small model's step)."""
+        trainer = self.trainer
+        if type(trainer.strategy) is not SingleDeviceStrategy or type(trainer.precision_plugin) is not Precision:
+            return False
+        hooks = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
+        listeners = [(type(cb), L.Callback) for cb in trainer.callbacks] + [(type(self), L.LightningModule)]
+        return not any(getattr(cls, h) is not getattr(base, h) for cls, base in listeners for h in hooks)
 
     # ---- server: round start ------------------------------------------------------------------
     def round_start(self, round_idx: int, clients: list[int]) -> None:
@@ -158,18 +180,62 @@ class FederatedMethod(L.LightningModule):
         x, y = batch
         return F.cross_entropy(self.model(x), y)
 
-    def training_step(self, batch, batch_idx: int):
+    def training_step(self, work: ClientWork, batch_idx: int) -> None:
+        """One Trainer batch is one client: its whole local training, one `minibatch_step` per
+        local mini-batch (sliced on the device by the data module). The federated callback has
+        started the client before this and ends it after."""
+        for batch in self.trainer.datamodule.minibatches(work):
+            self.minibatch_step(batch)
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
+        if isinstance(batch, ClientWork):  # indices only; its mini-batches are made on the device
+            return batch
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def minibatch_step(self, batch) -> torch.Tensor | None:
+        """One local step on one mini-batch (x, y); methods with their own step override this."""
         loss = self.local_loss(batch)
         self.sgd_step(loss)
-        self.log("train/loss", loss.detach(), on_step=False, on_epoch=True, batch_size=len(batch[1]))
+        self.log_local({"train/loss": loss}, len(batch[1]))
         return loss.detach()
+
+    def log_local(self, metrics: dict[str, torch.Tensor | float], batch_size: int) -> None:
+        """Per-step values, accumulated on the device and logged once per round by the federated
+        callback (`flush_local_logs`) as their batch-size-weighted mean over all local steps of the
+        round: Lightning's `log` costs far more than a small model's step."""
+        for key, value in metrics.items():
+            values = self._local_logs.setdefault(key, ([], []))
+            values[0].append(value.detach() if isinstance(value, torch.Tensor) else value)
+            values[1].append(batch_size)
+
+    def flush_local_logs(self) -> dict[str, float]:
+        """The round's means of what `log_local` collected (and forgets them)."""
+        means = {}
+        for key, (values, sizes) in self._local_logs.items():
+            values = torch.as_tensor([float(v) for v in values], dtype=torch.float64) if not all(
+                isinstance(v, torch.Tensor) for v in values) else torch.stack(values).double().cpu()
+            weights = torch.as_tensor(sizes, dtype=torch.float64)
+            means[key] = float((values * weights).sum() / weights.sum())
+        self._local_logs = {}
+        return means
 
     def sgd_step(self, loss: torch.Tensor) -> None:
         opt = self.optimizers()
-        opt.zero_grad(set_to_none=True)
-        self.manual_backward(loss)
-        self.after_backward()
-        opt.step()
+        if self._direct_steps:
+            # one device, 32-bit, no per-step hook anyone listens to: Lightning's backward and step
+            # wrappers would only dispatch empty hooks; the step counter still advances
+            opt.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.after_backward()
+            opt.optimizer.step()
+            progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+            progress.increment_ready()
+            progress.increment_completed()
+        else:  # precision plugins (autocast, loss scaling), DDP and per-step callback hooks
+            opt.zero_grad(set_to_none=True)
+            self.manual_backward(loss)
+            self.after_backward()
+            opt.step()
         self._base_after_step_ran = False
         self.after_optimizer_step()
         if self._constraint is not None and not self._base_after_step_ran:
@@ -248,19 +314,28 @@ class FederatedMethod(L.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.predict_logits(x)
 
-    def _eval_step(self, batch, metric, prefix: str):
+    def _eval_step(self, batch, acc: MulticlassAccuracy, loss: MeanMetric) -> None:
         x, y = batch
         logits = self.predict_logits(x)
-        loss = F.cross_entropy(logits.float(), y)
-        metric(logits, y)
-        self.log(f"{prefix}_loss", loss, on_epoch=True, batch_size=len(y), sync_dist=True)
-        self.log(f"{prefix}_acc", metric, on_epoch=True, batch_size=len(y), prog_bar=True)
+        acc.update(logits, y)
+        loss.update(F.cross_entropy(logits.float(), y), weight=len(y))
+
+    def _log_eval(self, acc: MulticlassAccuracy, loss: MeanMetric, prefix: str) -> None:
+        """Logged once per evaluation (torchmetrics syncs across processes), not per batch."""
+        self.log(f"{prefix}_loss", loss, on_epoch=True)
+        self.log(f"{prefix}_acc", acc, on_epoch=True, prog_bar=True)
 
     def validation_step(self, batch, batch_idx: int):
-        self._eval_step(batch, self.val_acc, "global/test")
+        self._eval_step(batch, self.val_acc, self.val_loss)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_eval(self.val_acc, self.val_loss, "global/test")
 
     def test_step(self, batch, batch_idx: int):
-        self._eval_step(batch, self.test_acc, "test/global")
+        self._eval_step(batch, self.test_acc, self.test_loss)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_eval(self.test_acc, self.test_loss, "test/global")
 
     @torch.no_grad()
     def evaluate(self, loader) -> tuple[float, float]:

@@ -103,10 +103,10 @@ class Ditto(FederatedMethod):
         opt.step()
         return loss.detach()
 
-    def training_step(self, batch, batch_idx: int):
-        loss = super().training_step(batch, batch_idx)  # the global track: exactly FedAvg's step
+    def minibatch_step(self, batch):
+        loss = super().minibatch_step(batch)  # the global track: exactly FedAvg's step
         personal = self.personal_step(batch)
-        self.log("ditto/personal_loss", personal, on_step=False, on_epoch=True, batch_size=len(batch[1]))
+        self.log_local({"ditto/personal_loss": personal}, len(batch[1]))
         return loss
 
     def client_end(self) -> ClientUpload:

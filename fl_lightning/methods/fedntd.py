@@ -51,5 +51,5 @@ class FedNTD(FederatedMethod):
         with torch.no_grad():
             global_logits = self.global_model(x)
         ntd = ntd_loss(logits, global_logits, y, self.hparams.tau)
-        self.log("fedntd/ntd_loss", ntd.detach(), on_step=False, on_epoch=True, batch_size=len(y))
+        self.log_local({"fedntd/ntd_loss": ntd}, len(y))
         return F.cross_entropy(logits, y) + self.hparams.beta * ntd

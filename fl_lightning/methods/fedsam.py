@@ -47,7 +47,7 @@ class FedSAM(FederatedMethod):
             raise FLUserError(f"rho must be >= 0, got {rho}")
         self.save_hyperparameters()
 
-    def training_step(self, batch, batch_idx: int):
+    def minibatch_step(self, batch):
         x, y = batch
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
@@ -57,8 +57,7 @@ class FedSAM(FederatedMethod):
         perturbed = {n: p + e for (n, p), e in zip(named, eps, strict=True)}
         loss = F.cross_entropy(functional_call(self.model, perturbed, (x,), strict=False), y)
         self.sgd_step(loss)
-        self.log_dict({"train/loss": clean.detach(), "sam/perturbed_loss": loss.detach()},
-                      on_step=False, on_epoch=True, batch_size=len(y))
+        self.log_local({"train/loss": clean, "sam/perturbed_loss": loss}, len(y))
         return loss.detach()
 
 

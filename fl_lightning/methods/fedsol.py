@@ -195,7 +195,7 @@ class ProximalMethod(FederatedMethod):
     def _plain_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(self.model(x), y)
         self.sgd_step(loss)
-        self.log("train/loss", loss.detach(), on_step=False, on_epoch=True, batch_size=len(y))
+        self.log_local({"train/loss": loss}, len(y))
         return loss.detach()
 
     def _grads(self, loss: torch.Tensor, params: list[torch.Tensor], retain_graph: bool,
@@ -239,7 +239,7 @@ class FedSOL(ProximalMethod):
     def perturbed_names(self) -> list[str]:
         return self.scoped_names(self.hparams.perturb)
 
-    def training_step(self, batch, batch_idx: int):
+    def minibatch_step(self, batch):
         x, y = batch
         h = self.hparams
         s = h.strategy
@@ -298,7 +298,7 @@ class FedSOL(ProximalMethod):
         """Mean proximal loss and cos(update gradient, proximal gradient) on the perturbed tensors;
         the paper shows the cosine falling towards 0 as rho grows. Reads p.grad after the step
         (the optimizer leaves it in place)."""
-        metrics = {"train/loss": loss.detach()}
+        metrics = {"train/loss": loss}
         if prox is not None:
             metrics["fedsol/prox_loss"] = prox.detach()
         if prox_grads is not None:
@@ -307,7 +307,7 @@ class FedSOL(ProximalMethod):
             nu = torch.sqrt(sum((u.float() ** 2).sum() for u in update))
             ng = torch.sqrt(sum((g.float() ** 2).sum() for g in prox_grads))
             metrics["fedsol/cos_update_prox"] = dot / (nu * ng).clamp_min(1e-12)
-        self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=batch_size)
+        self.log_local(metrics, batch_size)
 
 
 class ProximalProjection(ProximalMethod):
@@ -330,7 +330,7 @@ class ProximalProjection(ProximalMethod):
         self._projection_params: list[torch.Tensor] = []
         self._projected = False
 
-    def training_step(self, batch, batch_idx: int):
+    def minibatch_step(self, batch):
         x, y = batch
         self._step_cache = {}
         self._prox_grads = None
@@ -344,9 +344,8 @@ class ProximalProjection(ProximalMethod):
         self._projection_params = params
         loss = F.cross_entropy(logits, y)
         self.sgd_step(loss)  # after_backward projects p.grad before the optimizer sees it
-        self.log_dict({"train/loss": loss.detach(), "projection/prox_loss": prox.detach(),
-                       "projection/projected": float(self._projected)},
-                      on_step=False, on_epoch=True, batch_size=len(y))
+        self.log_local({"train/loss": loss, "projection/prox_loss": prox,
+                        "projection/projected": float(self._projected)}, len(y))
         return loss.detach()
 
     @torch.no_grad()

@@ -198,12 +198,12 @@ class HeteroMethod(FederatedMethod):
     def receive(self, client: int) -> None:
         """Hook: load what the server sends into the installed client (shared model, W_h, ...)."""
 
-    def training_step(self, batch, batch_idx: int):
+    def minibatch_step(self, batch):
         if len(batch[1]) < 2:
             # BatchNorm cannot train on one sample once the map is 1x1 (MobileNetV2 on 32x32), so a
             # trailing one-sample batch is skipped.
             return None
-        return super().training_step(batch, batch_idx)
+        return super().minibatch_step(batch)
 
     def upload(self) -> dict[str, torch.Tensor]:
         """What the installed client sends; the only thing that crosses the network."""

@@ -74,7 +74,7 @@ class MOON(ServerStateMixin, FederatedMethod):
             z_global = self.global_model.features(x)
             z_prev = self.prev_model.features(x)
         con = moon_contrastive_loss(z, z_global, z_prev, self.hparams.tau)
-        self.log("moon/contrastive_loss", con.detach(), on_step=False, on_epoch=True, batch_size=len(x))
+        self.log_local({"moon/contrastive_loss": con}, len(x))
         return self.hparams.mu * con
 
     def local_loss(self, batch):

@@ -128,10 +128,10 @@ class PerFedAvg(FederatedMethod):
         correction = sum((p * hv[n]).sum() for n, p in w.items())  # gradient: hv
         return outer, outer - alpha * correction
 
-    def training_step(self, batch, batch_idx: int):
+    def minibatch_step(self, batch):
         outer, objective = self.meta_objective(batch)
         self.sgd_step(objective)
-        self.log("train/loss", outer.detach(), on_step=False, on_epoch=True, batch_size=len(batch[1]))
+        self.log_local({"train/loss": outer}, len(batch[1]))
         return outer.detach()
 
     def personal_model(self, client: int) -> FLModel:

@@ -221,11 +221,11 @@ class FedRep(PersonalHeadMethod):
         self._load_part(self._frozen_state)
         self._frozen_state = {}
 
-    def training_step(self, batch, batch_idx: int):
+    def minibatch_step(self, batch):
         if self.phase == "head" and self.local_step == self.head_steps:
             self.end_phase()
             self.start_phase("body")
-        return super().training_step(batch, batch_idx)
+        return super().minibatch_step(batch)
 
     def client_end(self) -> ClientUpload:
         self.end_phase()
