@@ -5,14 +5,13 @@ Trainer batch is one client, so before each batch it starts that client and afte
 client's upload (and checks it is finite); after the round's last client it has the method
 aggregate the accepted uploads (and lets those clients keep their new local state), before
 Lightning's validation loop evaluates the new global model. What the method
-uploads and how the server combines it is entirely the method's business (`methods/base.py`).
+uploads (`uploads.ClientUpload`) and how the server combines it is entirely the method's business
+(`methods/base.py`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import lightning as L
@@ -20,46 +19,11 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from fl_lightning.errors import FLUserError
+from fl_lightning.uploads import ClientUpload, all_finite
 
 
 class FLDivergedError(RuntimeError):
     """A loss or an uploaded tensor became NaN/inf: the run stops instead of training on garbage."""
-
-
-@dataclass
-class ClientUpload:
-    """What one client sends to the server at the end of a round."""
-
-    client: int
-    num_samples: int
-    tensors: dict[str, torch.Tensor]
-    stats: dict[str, float] = field(default_factory=dict)  # for logging only, never aggregated
-
-
-def weighted_average(
-    tensors: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]
-) -> dict[str, torch.Tensor]:
-    """sum_i p_i x_i with p_i = weights_i / sum(weights), per key. Integer tensors (e.g. BN's
-    num_batches_tracked) are not averageable; they take the first client's value."""
-    total = float(sum(weights))
-    if not tensors or total <= 0:
-        raise ValueError("weighted_average needs at least one upload with a positive weight")
-    out = {}
-    for key, first in tensors[0].items():
-        if not torch.is_floating_point(first):
-            out[key] = first.clone()
-            continue
-        acc = torch.zeros_like(first, dtype=torch.float64 if first.dtype == torch.float64 else torch.float32)
-        for t, w in zip(tensors, weights, strict=True):
-            acc.add_(t[key].to(acc.dtype), alpha=float(w) / total)
-        out[key] = acc.to(first.dtype)
-    return out
-
-
-def all_finite(tensors: Mapping[str, torch.Tensor]) -> bool:
-    """One device sync for the whole dict, not one per tensor."""
-    checks = [torch.isfinite(t).all() for t in tensors.values() if torch.is_floating_point(t)]
-    return bool(torch.stack(checks).all()) if checks else True
 
 
 class FederatedCallback(L.Callback):
@@ -98,6 +62,13 @@ class FederatedCallback(L.Callback):
         self._local_loader = None
         self._skipped: list[int] = []
 
+    @property
+    def round_uploads(self) -> list[ClientUpload]:
+        """The current round's accepted uploads (typed, see uploads.py), complete from the end of
+        its last client until the next round starts: what an analysis callback reads, e.g. in
+        its own on_train_batch_end or on_validation_end."""
+        return list(self._uploads)
+
     # ---- set-up -------------------------------------------------------------------------------
     def on_fit_start(self, trainer: L.Trainer, pl_module) -> None:
         if trainer.reload_dataloaders_every_n_epochs != 1:
@@ -124,7 +95,7 @@ class FederatedCallback(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         upload = pl_module.client_end()
         self._clients_done += 1
-        if not all_finite(upload.tensors):
+        if not all_finite(upload):
             self._diverged(trainer, pl_module, batch.client)
         else:
             stats = dict(upload.stats)

@@ -5,8 +5,8 @@ import torch
 from fl_test_utils import fit, register_tensors, toy_data
 
 from fl_lightning.data.datamodule import FederatedDataModule, sample_clients
-from fl_lightning.federation import ClientUpload, weighted_average
 from fl_lightning.methods import FedAvg
+from fl_lightning.uploads import ClientUpload, weighted_average
 
 
 def test_weighted_average_equals_hand_computation():
@@ -135,3 +135,32 @@ def test_direct_steps_equal_lightning_wrapped_steps_and_count_every_step():
         results.append({k: v.clone() for k, v in method.model.state_dict().items()})
     for k in results[0]:
         assert torch.equal(results[0][k], results[1][k]), k
+
+
+def test_average_is_a_reducible_weighted_sum_plus_a_finishing_step():
+    """Partial weighted sums (as different processes would hold) add up to the average."""
+    from fl_lightning.uploads import finish_average, weighted_sum
+
+    g = torch.Generator().manual_seed(0)
+    ups = [{"w": torch.randn(5, generator=g), "n": torch.tensor(i)} for i in range(4)]
+    weights = [3.0, 1.0, 2.0, 4.0]
+    coef = [w / sum(weights) for w in weights]
+    first, second = weighted_sum(ups[:2], coef[:2]), weighted_sum(ups[2:], coef[2:])
+    reduced = finish_average({"w": first["w"] + second["w"], "n": first["n"]}, ups[0])
+    expected = weighted_average(ups, weights)
+    torch.testing.assert_close(reduced["w"], expected["w"])
+    torch.testing.assert_close(expected["w"], sum(c * u["w"] for c, u in zip(coef, ups, strict=True)))
+    assert int(reduced["n"]) == int(expected["n"]) == 0
+
+
+def test_every_typed_field_of_an_upload_is_checked_for_finiteness():
+    from fl_lightning.uploads import all_finite
+
+    ok = ClientUpload(0, 1, {"w": torch.ones(2)}, control_delta={"w": torch.zeros(2)},
+                      prototypes={3: torch.ones(4)}, label_counts=torch.ones(3), local_steps=2)
+    assert all_finite(ok)
+    for field, value in [("control_delta", {"w": torch.tensor([float("nan"), 0.0])}),
+                         ("prototypes", {1: torch.tensor([float("inf")])}),
+                         ("label_counts", torch.tensor([float("nan")]))]:
+        bad = ClientUpload(0, 1, {"w": torch.ones(2)}, **{field: value})
+        assert not all_finite(bad), field

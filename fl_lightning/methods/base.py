@@ -38,10 +38,10 @@ from torchmetrics.classification import MulticlassAccuracy
 from fl_lightning.data.datamodule import ClientWork
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import ClientUpload, weighted_average
 from fl_lightning.methods.common import to_cpu
 from fl_lightning.methods.fedconst import CONSTRAINT_MODES, ChannelConstraint, constrained_names
 from fl_lightning.models import FLModel, build_model
+from fl_lightning.uploads import ClientUpload, weighted_average
 
 
 class FederatedMethod(L.LightningModule):
@@ -271,7 +271,7 @@ class FederatedMethod(L.LightningModule):
     # ---- server: aggregation ------------------------------------------------------------------
     def aggregate(self, uploads: list[ClientUpload]) -> None:
         """Sample-weighted FedAvg with a server step size: w_g + eta * (avg(w_k) - w_g)."""
-        avg = weighted_average([u.tensors for u in uploads], [u.num_samples for u in uploads])
+        avg = weighted_average([u.weights for u in uploads], [u.num_samples for u in uploads])
         self.load_global(self.server_step(avg))
 
     def server_step(self, avg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

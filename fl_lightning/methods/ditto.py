@@ -45,9 +45,9 @@ import torch
 import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import ClientUpload
 from fl_lightning.methods.base import FederatedMethod
 from fl_lightning.models import FLModel
+from fl_lightning.uploads import ClientUpload
 
 
 class Ditto(FederatedMethod):

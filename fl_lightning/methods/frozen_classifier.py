@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import ClientUpload, weighted_average
 from fl_lightning.methods.base import FederatedMethod
 from fl_lightning.models import FLModel, build_model
+from fl_lightning.uploads import ClientUpload, weighted_average
 
 
 def _orthonormal_columns(d: int, num_classes: int, seed: int) -> torch.Tensor:
@@ -138,13 +138,13 @@ class FrozenClassifierMethod(FederatedMethod):
     def client_end(self) -> ClientUpload:
         upload = super().client_end()
         for name in self.frozen_names():  # never communicated: every party already holds V
-            upload.tensors.pop(name, None)
+            upload.weights.pop(name, None)
         if self.hparams.analysis:
             upload.stats.update(self.alignment_stats())
         return upload
 
     def aggregate(self, uploads: list[ClientUpload]) -> None:
-        avg = weighted_average([u.tensors for u in uploads], [u.num_samples for u in uploads])
+        avg = weighted_average([u.weights for u in uploads], [u.num_samples for u in uploads])
         for name in self.frozen_names():
             avg[name] = self.global_weights[name]
         self.load_global(self.server_step(avg))

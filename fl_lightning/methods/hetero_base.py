@@ -36,10 +36,10 @@ from torch import nn
 
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import ClientUpload
 from fl_lightning.methods.base import FederatedMethod
 from fl_lightning.models.base import FLModel
 from fl_lightning.models.hetero import build_client_models, client_architecture, group_members
+from fl_lightning.uploads import ClientUpload
 
 
 class NoGlobalModel(FLModel):
@@ -205,19 +205,20 @@ class HeteroMethod(FederatedMethod):
             return None
         return super().minibatch_step(batch)
 
-    def upload(self) -> dict[str, torch.Tensor]:
-        """What the installed client sends; the only thing that crosses the network."""
+    def upload(self) -> dict:
+        """What the installed client sends, as `ClientUpload` fields (e.g. {"prototypes": ...});
+        the only thing that crosses the network."""
         raise NotImplementedError
 
     def client_end(self) -> ClientUpload:
-        tensors = self.upload()
+        fields = self.upload()
         stats = self.client_stats()
         self.client_done()
         self._uninstall()
         self._bind_optimizer()  # back to the anchor: checkpoints hold no client's parameters
         client, n = self.current_client, self.current_num_samples
         self.current_client = None
-        return ClientUpload(client, n, tensors, stats)
+        return ClientUpload(client, n, stats=stats, **fields)
 
     def client_stats(self) -> dict[str, float]:
         return {}

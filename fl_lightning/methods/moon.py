@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import ClientUpload
 from fl_lightning.methods.base import FederatedMethod
 from fl_lightning.methods.common import ServerStateMixin, to_cpu
 from fl_lightning.models import FLModel
+from fl_lightning.uploads import ClientUpload
 
 
 def moon_contrastive_loss(z: torch.Tensor, z_global: torch.Tensor, z_prev: torch.Tensor,
@@ -84,5 +84,5 @@ class MOON(ServerStateMixin, FederatedMethod):
 
     def aggregate(self, uploads: list[ClientUpload]) -> None:
         for u in uploads:
-            self.client_states[u.client] = to_cpu(u.tensors)
+            self.client_states[u.client] = to_cpu(u.weights)
         super().aggregate(uploads)

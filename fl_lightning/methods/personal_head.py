@@ -69,8 +69,8 @@ import copy
 import torch
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import ClientUpload, weighted_average
 from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.uploads import ClientUpload, weighted_average
 
 
 class PersonalHeadMethod(FederatedMethod):
@@ -148,7 +148,7 @@ class PersonalHeadMethod(FederatedMethod):
 
     # ---- server -------------------------------------------------------------------------------
     def aggregate(self, uploads: list[ClientUpload]) -> None:
-        avg = weighted_average([u.tensors for u in uploads], [u.num_samples for u in uploads])
+        avg = weighted_average([u.weights for u in uploads], [u.num_samples for u in uploads])
         for k in self.personal_keys:  # the global head stays the initial one, bit for bit
             avg[k] = self.global_weights[k]
         self.load_global(self.server_step(avg))
