@@ -12,6 +12,7 @@ uploads (`uploads.ClientUpload`) and how the server combines it is entirely the 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
@@ -41,12 +42,19 @@ class FederatedCallback(L.Callback):
             this many consecutive rounds. 0 switches the check off.
         on_collapse: "mark" prints one line and marks the W&B summary (`failed`, `failed_at`) and
             trains on; "stop" also ends the run (exit code 3).
+        client_cache_size: clients whose persistent state (control variates, personal models,
+            heterogeneous client models) stays in memory; the others wait in per-client files in
+            the run directory (0 = all in memory). Results do not depend on it.
     """
 
     def __init__(self, eval_local_models: bool = True, local_eval_samples: int = 1000,
                  on_divergence: Literal["stop", "skip_client"] = "stop", collapse_rounds: int = 5,
-                 on_collapse: Literal["mark", "stop"] = "mark"):
+                 on_collapse: Literal["mark", "stop"] = "mark", client_cache_size: int = 0):
         super().__init__()
+        if client_cache_size < 0:
+            raise FLUserError(f"federation.client_cache_size must be >= 0 (0 = all in memory), got "
+                              f"{client_cache_size}")
+        self.client_cache_size = client_cache_size
         if collapse_rounds < 0:
             raise FLUserError(f"federation.collapse_rounds must be >= 0 (0 = off), got {collapse_rounds}")
         self.eval_local_models = eval_local_models
@@ -76,6 +84,15 @@ class FederatedCallback(L.Callback):
                               "(every round has its own clients)")
         if not hasattr(trainer.datamodule, "round_plan"):
             raise FLUserError("federated training needs a FederatedDataModule as data")
+        # Per-client state goes to files next to the checkpoints (so a checkpoint only names them),
+        # or, for a bounded cache without checkpoints, into the run directory.
+        checkpoint = trainer.checkpoint_callback
+        directory = None
+        if checkpoint is not None and getattr(checkpoint, "dirpath", None):
+            directory = Path(checkpoint.dirpath) / "client_states"
+        elif self.client_cache_size:
+            directory = Path(trainer.default_root_dir) / "client_states"
+        pl_module.configure_client_stores(directory, self.client_cache_size)
 
     # ---- the round ----------------------------------------------------------------------------
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module) -> None:
@@ -99,8 +116,8 @@ class FederatedCallback(L.Callback):
             self._diverged(trainer, pl_module, batch.client)
         else:
             stats = dict(upload.stats)
-            if self.eval_local_models and pl_module.has_global_model:
-                stats["local_acc"], stats["local_loss"] = pl_module.evaluate(self._local_eval_loader(trainer))
+            if self.eval_local_models:
+                stats.update(pl_module.local_model_stats(lambda: self._local_eval_loader(trainer)))
             self._local_stats.append(stats)
             self._uploads.append(upload)
         if self._clients_done == len(self._plan.clients):
@@ -113,7 +130,7 @@ class FederatedCallback(L.Callback):
         lr = pl_module.current_lr()
         pl_module.aggregate(self._uploads)
         pl_module.commit_kept_states(self._uploads)
-        if pl_module.has_global_model and not all_finite(pl_module.model.state_dict()):
+        if not all_finite(pl_module.aggregated_state()):
             # finite uploads can still aggregate to inf/NaN (a server step size, a control variate,
             # overflow); no client to skip then, so the run stops either way
             raise FLDivergedError(f"diverged: non-finite global model after aggregation at "

@@ -141,7 +141,7 @@ def test_sequential_keeps_orthogonality_but_sum_drifts():
 def test_composes_with_fedsol():
     method, w_g, uploads = _run(FedSOL, "joint", perturb="all", adaptive="none", rho=0.5)
     names = constrained_names(method.model)
-    for u in uploads + [type("G", (), {"tensors": method.model.state_dict()})]:
+    for u in uploads + [type("G", (), {"weights": method.model.state_dict()})]:
         s, o = _max_residuals(u.weights, w_g, names)
         assert s < TOL and o < TOL, (s, o)
 

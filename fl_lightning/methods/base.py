@@ -9,11 +9,16 @@ combines the uploads. The federated callback (federation.py) calls these hooks i
                                      minibatch_step(batch) once per local mini-batch
     client_end() -> ClientUpload     client: what it sends; state it keeps without sending it goes
                                      through keep_on_client (committed if the upload is accepted)
-    aggregate(uploads)               server: uploads -> new global state, loaded into self.model
+    local_model_stats(test_loader)   client: measures of its trained model (local/* means)
+    aggregate(uploads)               server: uploads -> the next round's server state
+    aggregated_state()               server: what aggregation produced (checked for NaN/inf)
     round_end()                      server: per-round lr decay
 
-Between rounds `self.model` holds the global model, so Lightning's validation loop, checkpoints
-and `validate`/`test` see the global model with no extra plumbing.
+Two siblings implement them over the common base `FederatedMethod`: `SharedModelMethod` (one
+global model every client starts from; between rounds `self.model` holds it, so Lightning's
+validation loop, checkpoints and `validate`/`test` see it with no extra plumbing) and
+`hetero_base.HeteroMethod` (each client its own architecture, evaluated on its own test split).
+Personalised evaluation starts fine-tuning from `finetune_start(client)`, whichever the family.
 
 Every local step should go through `sgd_step(loss)` (backward, `after_backward`, optimizer step,
 `after_optimizer_step`): the base `after_optimizer_step` enforces the FedCONST constraint
@@ -23,7 +28,8 @@ Every local step should go through `sgd_step(loss)` (backward, `after_backward`,
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Literal
 
 import lightning as L
@@ -35,6 +41,7 @@ from torch import nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from fl_lightning.client_store import ClientStateStore
 from fl_lightning.data.datamodule import ClientWork
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
@@ -45,10 +52,15 @@ from fl_lightning.uploads import ClientUpload, weighted_average
 
 
 class FederatedMethod(L.LightningModule):
-    """FedAvg's behaviour is the default of every hook; methods override what differs.
+    """The common base of both method families: the local optimizer and step (manual
+    optimization through `sgd_step`), one Trainer batch = one client (`training_step` calls
+    `minibatch_step` per local mini-batch), per-step logs, per-client state, and the round's
+    hooks the federated callback calls. `SharedModelMethod` (one global model) and
+    `hetero_base.HeteroMethod` (a model per client) are its two siblings.
 
     Args:
-        model: architecture name (see `fl_lightning.models.MODELS`).
+        model: architecture name (see `fl_lightning.models.MODELS`), or a model group for
+            model-heterogeneous methods.
         lr, momentum, weight_decay: the local SGD optimizer (state reset for every client, every round).
         lr_decay: local lr multiplied by this after every round (FedSOL: 0.99).
         lr_milestones: if set, multi-step decay instead: lr x `lr_milestone_gamma` at these rounds.
@@ -59,9 +71,6 @@ class FederatedMethod(L.LightningModule):
             Algorithm 1 order). Applied in `after_optimizer_step`, so every method that steps
             through `sgd_step` gets it ("+ CONST").
     """
-
-    needs_global_model: bool = False  # methods that run the frozen round-start model set this
-    has_global_model: bool = True  # False for model-heterogeneous methods (no shared weights)
 
     def __init__(
         self,
@@ -85,26 +94,18 @@ class FederatedMethod(L.LightningModule):
             raise FLUserError(f"constraint must be one of {', '.join(CONSTRAINT_MODES)}, got '{constraint}'")
         self.save_hyperparameters()
         self.automatic_optimization = False
-        self.model: FLModel = self.build_network(model, data_spec)
-        self.val_acc = MulticlassAccuracy(num_classes=data_spec.num_classes, average="micro")
-        self.test_acc = MulticlassAccuracy(num_classes=data_spec.num_classes, average="micro")
-        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
-        self.global_weights: dict[str, torch.Tensor] | None = None
         self.round_idx = -1
         self.current_client: int | None = None
         self.current_num_samples = 0
         self.local_step = 0  # steps the current client has taken this round
-        self.client_states: dict[int, dict[str, torch.Tensor]] = {}
+        # {client: state} kept between rounds, in memory or (bounded) on disk: client_store.py
+        self.client_states = ClientStateStore()
         self._kept_states: dict[int, dict[str, torch.Tensor]] = {}  # see keep_on_client
-        self._global_model: FLModel | None = None
         self.constraint = constraint
         self._constraint: ChannelConstraint | None = None  # this round's constraint set
         self._base_after_step_ran = False
         self._local_logs: dict[str, tuple[list, list[int]]] = {}
         self._direct_steps = False  # see sgd_step
-
-    def build_network(self, name: str, spec: DataSpec) -> FLModel:
-        return build_model(name, spec)
 
     # ---- optimizer ----------------------------------------------------------------------------
     def local_parameters(self) -> Iterable[nn.Parameter]:
@@ -142,40 +143,51 @@ class FederatedMethod(L.LightningModule):
         listeners = [(type(cb), L.Callback) for cb in trainer.callbacks] + [(type(self), L.LightningModule)]
         return not any(getattr(cls, h) is not getattr(base, h) for cls, base in listeners for h in hooks)
 
-    # ---- server: round start ------------------------------------------------------------------
+    # ---- the round (each sibling implements these) ---------------------------------------------
     def round_start(self, round_idx: int, clients: list[int]) -> None:
+        """Server: take this round's starting state (before any client runs)."""
         self.round_idx = round_idx
-        self.global_weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        if self.needs_global_model:
-            if self._global_model is None:
-                # via __dict__: assigning a Module attribute would register it as a submodule, put
-                # it in every checkpoint and break resuming into a fresh instance (unexpected keys)
-                self.__dict__["_global_model"] = copy.deepcopy(self.model).requires_grad_(False)
-            self._global_model.load_state_dict(self.global_weights)
-            # eval(): a teacher's output should not depend on BN batch mode or dropout draws
-            self._global_model.to(self.device).eval()
-        if self.constraint != "none":
-            names = constrained_names(self.model)
-            self._constraint = ChannelConstraint(self.constraint, self.global_weights, names)
 
-    @property
-    def global_model(self) -> FLModel:
-        """The frozen round-start global model (not a submodule: never trained, never saved)."""
-        if self._global_model is None:
-            raise RuntimeError(f"{type(self).__name__} must set needs_global_model = True")
-        return self._global_model
-
-    def global_params(self) -> dict[str, torch.Tensor]:
-        return {n: self.global_weights[n] for n, _ in self.model.named_parameters()}
-
-    # ---- client -------------------------------------------------------------------------------
     def client_start(self, client: int, num_samples: int) -> None:
-        self.current_client, self.current_num_samples = client, num_samples
-        self.model.load_state_dict(self.global_weights)
-        self.reset_optimizer_state()
-        self.local_step = 0
-        self.model.train()
+        """Client: receive what the server sends (and the client's own state); fresh optimizer."""
+        raise NotImplementedError
 
+    def client_end(self) -> ClientUpload:
+        """Client: what it sends (state it keeps without sending goes through keep_on_client)."""
+        raise NotImplementedError
+
+    def aggregate(self, uploads: list[ClientUpload]) -> None:
+        """Server: the accepted uploads -> the next round's server state."""
+        raise NotImplementedError
+
+    def local_model_stats(self, test_loader: Callable[[], Iterable]) -> dict[str, float]:
+        """Called right after `client_end`: measures of the client's just-trained model for the
+        round's `local/*` means (e.g. its accuracy on the global test set, `test_loader()`)."""
+        return {}
+
+    def aggregated_state(self) -> dict[str, torch.Tensor]:
+        """What aggregation produced, checked for NaN/inf by the callback after every round."""
+        return dict(self.state_dict())
+
+    def finetune_start(self, client: int) -> FLModel:
+        """The model personalised fine-tuning of `client` starts from (it is copied, never
+        changed): the global model, or the client's own model."""
+        raise NotImplementedError
+
+    def personal_model(self, client: int) -> nn.Module | None:
+        """The method's own personalised model of `client`, for methods that train one while
+        federating (FedPer, FedRep, Ditto, Per-FedAvg, kNN-Per: the "1-step" pFL methods). It is a
+        new module on `self.device` whose forward gives class scores. Building it must not change
+        the global model or any client state. None means the method has none, and personalised
+        evaluation then reports only fine-tuning from the global model."""
+        return None
+
+    def global_test_metrics(self, loader: Callable[[], Iterable]) -> dict[str, float]:
+        """Final measures on the global test set `loader()` (personalised evaluation reports them
+        as `final/*`); nothing for methods without a global model."""
+        return {}
+
+    # ---- the local training ---------------------------------------------------------------------
     def local_loss(self, batch) -> torch.Tensor:
         x, y = batch
         return F.cross_entropy(self.model(x), y)
@@ -257,6 +269,117 @@ class FederatedMethod(L.LightningModule):
             self._constraint.apply(self.model)
         self._base_after_step_ran = True
 
+    def round_end(self) -> None:
+        self.lr_schedulers().step()
+
+    # ---- evaluation ---------------------------------------------------------------------------
+    def predict_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Class scores used for every accuracy; cosine-classifier methods override this."""
+        return self.model(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.predict_logits(x)
+
+    # ---- state a client keeps without uploading it ---------------------------------------------
+    def configure_client_stores(self, directory, cache_size: int) -> None:
+        """Where per-client state files go and how many clients stay in memory (the federated
+        callback sets this from its options at fit start)."""
+        self.client_states.configure(None if directory is None else Path(directory) / "states", cache_size)
+
+    def keep_on_client(self, state: dict[str, torch.Tensor]) -> None:
+        """Keep `state` (copied to the CPU) as the current client's own persistent state, never
+        uploaded (Ditto's personal model, FedPer's head, FedKD's W_h). It becomes
+        `client_states[client]` when the server accepts this round's upload (`commit_kept_states`),
+        so a client whose upload is dropped as non-finite keeps its previous state."""
+        self._kept_states[self.current_client] = to_cpu(state)
+
+    def commit_kept_states(self, accepted: list[ClientUpload]) -> None:
+        """Called by the federation after aggregation with the uploads the server accepted."""
+        for u in accepted:
+            if u.client in self._kept_states:
+                self.client_states[u.client] = self._kept_states[u.client]
+        self._kept_states = {}
+
+    # ---- persistent client state survives checkpoints -----------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["fl_client_states"] = self.client_states.checkpoint_state()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        saved = checkpoint.get("fl_client_states", {})
+        if "manifest" not in saved and "states" not in saved:  # a checkpoint from before the store
+            saved = {"states": saved}
+        self.client_states.load_checkpoint_state(saved)
+
+    # ---- multi-device -------------------------------------------------------------------------
+    def mean_across_devices(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Gradients taken with torch.autograd.grad bypass DDP's all-reduce; average them here so
+        every rank perturbs identically (a no-op on one device)."""
+        if self._trainer is None or self._trainer.world_size == 1:
+            return tensors
+        return [self.trainer.strategy.reduce(t, reduce_op="mean") for t in tensors]
+
+
+class SharedModelMethod(FederatedMethod):
+    """Methods with one global model that every client starts from. FedAvg's behaviour is the
+    default of every hook; methods override what differs. Between rounds `self.model` holds the
+    global model, so Lightning's validation loop, checkpoints and `validate`/`test` see it with
+    no extra plumbing.
+
+    Args:
+        model: architecture name (see `fl_lightning.models.MODELS`).
+        lr, momentum, weight_decay, lr_decay, lr_milestones, lr_milestone_gamma, server_lr,
+            data_spec, constraint: see `FederatedMethod`.
+    """
+
+    needs_global_model: bool = False  # methods that run the frozen round-start model set this
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        spec = self.hparams.data_spec
+        self.model: FLModel = self.build_network(self.hparams.model, spec)
+        self.val_acc = MulticlassAccuracy(num_classes=spec.num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=spec.num_classes, average="micro")
+        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        self.global_weights: dict[str, torch.Tensor] | None = None
+        self._global_model: FLModel | None = None
+
+    def build_network(self, name: str, spec: DataSpec) -> FLModel:
+        return build_model(name, spec)
+
+    # ---- server: round start ------------------------------------------------------------------
+    def round_start(self, round_idx: int, clients: list[int]) -> None:
+        super().round_start(round_idx, clients)
+        self.global_weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        if self.needs_global_model:
+            if self._global_model is None:
+                # via __dict__: assigning a Module attribute would register it as a submodule, put
+                # it in every checkpoint and break resuming into a fresh instance (unexpected keys)
+                self.__dict__["_global_model"] = copy.deepcopy(self.model).requires_grad_(False)
+            self._global_model.load_state_dict(self.global_weights)
+            # eval(): a teacher's output should not depend on BN batch mode or dropout draws
+            self._global_model.to(self.device).eval()
+        if self.constraint != "none":
+            names = constrained_names(self.model)
+            self._constraint = ChannelConstraint(self.constraint, self.global_weights, names)
+
+    @property
+    def global_model(self) -> FLModel:
+        """The frozen round-start global model (not a submodule: never trained, never saved)."""
+        if self._global_model is None:
+            raise RuntimeError(f"{type(self).__name__} must set needs_global_model = True")
+        return self._global_model
+
+    def global_params(self) -> dict[str, torch.Tensor]:
+        return {n: self.global_weights[n] for n, _ in self.model.named_parameters()}
+
+    # ---- client -------------------------------------------------------------------------------
+    def client_start(self, client: int, num_samples: int) -> None:
+        self.current_client, self.current_num_samples = client, num_samples
+        self.model.load_state_dict(self.global_weights)
+        self.reset_optimizer_state()
+        self.local_step = 0
+        self.model.train()
+
     def client_end(self) -> ClientUpload:
         weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         stats = {"drift": self.distance_to_global()}
@@ -267,6 +390,28 @@ class FederatedMethod(L.LightningModule):
         g = self.global_params()
         sq = sum(((p.detach() - g[n]) ** 2).sum() for n, p in self.model.named_parameters())
         return float(torch.sqrt(sq))
+
+    def local_model_stats(self, test_loader: Callable[[], Iterable]) -> dict[str, float]:
+        acc, loss = self.evaluate(test_loader())
+        return {"local_acc": acc, "local_loss": loss}
+
+    def aggregated_state(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def finetune_start(self, client: int) -> FLModel:
+        return self.model
+
+    @torch.no_grad()
+    def global_test_metrics(self, loader: Callable[[], Iterable]) -> dict[str, float]:
+        was_training = self.model.training
+        self.model.eval()
+        correct = total = 0
+        for x, y in loader():
+            x, y = x.to(self.device), y.to(self.device)
+            correct += int((self.model(x).argmax(1) == y).sum())
+            total += len(y)
+        self.model.train(was_training)
+        return {"global_test_acc": correct / total if total else float("nan")}
 
     # ---- server: aggregation ------------------------------------------------------------------
     def aggregate(self, uploads: list[ClientUpload]) -> None:
@@ -285,9 +430,6 @@ class FederatedMethod(L.LightningModule):
         self.model.load_state_dict(state)
         self.current_client = None
 
-    def round_end(self) -> None:
-        self.lr_schedulers().step()
-
     # ---- personalisation ----------------------------------------------------------------------
     def finetune_loss(self, model: FLModel, batch, teacher: FLModel | None = None,
                       counts: torch.Tensor | None = None) -> torch.Tensor:
@@ -298,22 +440,7 @@ class FederatedMethod(L.LightningModule):
         x, y = batch
         return F.cross_entropy(model(x), y)
 
-    def personal_model(self, client: int) -> nn.Module | None:
-        """The method's own personalised model of `client`, for methods that train one while
-        federating (FedPer, FedRep, Ditto, Per-FedAvg, kNN-Per: the "1-step" pFL methods). It is a
-        new module on `self.device` whose forward gives class scores. Building it must not change
-        the global model or any client state. None means the method has none, and personalised
-        evaluation then reports only fine-tuning from the global model."""
-        return None
-
     # ---- evaluation ---------------------------------------------------------------------------
-    def predict_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Class scores used for every accuracy; cosine-classifier methods override this."""
-        return self.model(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.predict_logits(x)
-
     def _eval_step(self, batch, acc: MulticlassAccuracy, loss: MeanMetric) -> None:
         x, y = batch
         logits = self.predict_logits(x)
@@ -351,33 +478,3 @@ class FederatedMethod(L.LightningModule):
             total += len(y)
         self.model.train(was_training)
         return correct / total, loss_sum / total
-
-    # ---- state a client keeps without uploading it ---------------------------------------------
-    def keep_on_client(self, state: dict[str, torch.Tensor]) -> None:
-        """Keep `state` (copied to the CPU) as the current client's own persistent state, never
-        uploaded (Ditto's personal model, FedPer's head, FedKD's W_h). It becomes
-        `client_states[client]` when the server accepts this round's upload (`commit_kept_states`),
-        so a client whose upload is dropped as non-finite keeps its previous state."""
-        self._kept_states[self.current_client] = to_cpu(state)
-
-    def commit_kept_states(self, accepted: list[ClientUpload]) -> None:
-        """Called by the federation after aggregation with the uploads the server accepted."""
-        for u in accepted:
-            if u.client in self._kept_states:
-                self.client_states[u.client] = self._kept_states[u.client]
-        self._kept_states = {}
-
-    # ---- persistent client state survives checkpoints -----------------------------------------
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["fl_client_states"] = self.client_states
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.client_states = checkpoint.get("fl_client_states", {})
-
-    # ---- multi-device -------------------------------------------------------------------------
-    def mean_across_devices(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Gradients taken with torch.autograd.grad bypass DDP's all-reduce; average them here so
-        every rank perturbs identically (a no-op on one device)."""
-        if self._trainer is None or self._trainer.world_size == 1:
-            return tensors
-        return [self.trainer.strategy.reduce(t, reduce_op="mean") for t in tensors]

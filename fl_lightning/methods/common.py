@@ -30,7 +30,7 @@ def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[st
 
 class ServerStateMixin:
     """Saves the attributes named in `server_state` (each a dict of tensors, or None) in the round
-    checkpoint and restores them on resume. Place it before FederatedMethod in the bases."""
+    checkpoint and restores them on resume. Place it before the method base class in the bases."""
 
     server_state: tuple[str, ...] = ()
 

@@ -45,12 +45,12 @@ import torch
 import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import SharedModelMethod
 from fl_lightning.models import FLModel
 from fl_lightning.uploads import ClientUpload
 
 
-class Ditto(FederatedMethod):
+class Ditto(SharedModelMethod):
     """Args:
         lam: weight lambda of the proximal term (lambda / 2) * ||v_k - w_g||^2 of the personal
             objective (official code's runs: 1.0). 0 trains v_k as a purely local model.

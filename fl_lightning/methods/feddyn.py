@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import SharedModelMethod
 from fl_lightning.methods.common import ServerStateMixin, state_or_zeros, to_cpu
 from fl_lightning.uploads import ClientUpload, weighted_average
 
 
-class FedDyn(ServerStateMixin, FederatedMethod):
+class FedDyn(ServerStateMixin, SharedModelMethod):
     """Args:
         alpha: weight of the dynamic regulariser (FedSOL paper 0.1).
     """

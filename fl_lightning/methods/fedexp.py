@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import SharedModelMethod
 from fl_lightning.methods.common import ServerStateMixin, to_device
 from fl_lightning.uploads import ClientUpload, weighted_average
 
@@ -30,7 +30,7 @@ def fedexp_step_size(deltas: list[dict[str, torch.Tensor]], weights: list[float]
     return max(1.0, 0.5 * spread / (mean_sq + len(deltas) * eps))
 
 
-class FedExP(ServerStateMixin, FederatedMethod):
+class FedExP(ServerStateMixin, SharedModelMethod):
     """Args:
         eps: the step-size denominator's regulariser (paper 1e-3).
     """

@@ -11,12 +11,12 @@ is not reproduced. Non-parameter buffers (e.g. BN statistics) are averaged as in
 
 from __future__ import annotations
 
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import SharedModelMethod
 from fl_lightning.methods.common import effective_steps
 from fl_lightning.uploads import ClientUpload, weighted_average
 
 
-class FedNova(FederatedMethod):
+class FedNova(SharedModelMethod):
     def client_end(self) -> ClientUpload:
         upload = super().client_end()
         upload.local_steps = self.local_step

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import SharedModelMethod
 
 
 def not_true_logits(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -31,7 +31,7 @@ def ntd_loss(logits: torch.Tensor, global_logits: torch.Tensor, y: torch.Tensor,
     return tau**2 * kl
 
 
-class FedNTD(FederatedMethod):
+class FedNTD(SharedModelMethod):
     """Args:
         beta: weight of the not-true distillation loss (paper 1.0).
         tau: distillation temperature (paper 1.0).

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import SharedModelMethod
 
 
-class FedProx(FederatedMethod):
+class FedProx(SharedModelMethod):
     """Args:
         mu: weight of the proximal term (FedSOL paper 1.0; FedCONST paper 0.01).
     """

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import SharedModelMethod
 
 
 def sam_perturbation(params: list[torch.Tensor], grads: list[torch.Tensor], rho: float,
@@ -34,7 +34,7 @@ def sam_perturbation(params: list[torch.Tensor], grads: list[torch.Tensor], rho:
     return [(rho * g / (norm + 1e-12)).to(p.dtype) for p, g in zip(params, grads, strict=True)]
 
 
-class FedSAM(FederatedMethod):
+class FedSAM(SharedModelMethod):
     """Args:
         rho: SAM radius (FedSOL paper 0.1; the official code's default 0.5).
     """

@@ -46,7 +46,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import SharedModelMethod
 
 Scope = Literal["head", "body", "all"]
 STRATEGIES = ("A0", "A1", "A2", "A3", "A4", "A5", "A6")
@@ -118,7 +118,7 @@ class _FeaturesAndLogits(nn.Module):
         return features, self.model.head(features)
 
 
-class ProximalMethod(FederatedMethod):
+class ProximalMethod(SharedModelMethod):
     """Shared by FedSOL and the projection baseline: the proximal loss L_p(w; w_g).
 
     Args:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import SharedModelMethod
 from fl_lightning.models import FLModel, build_model
 from fl_lightning.uploads import ClientUpload, weighted_average
 
@@ -90,7 +90,7 @@ def feature_distillation_loss(features: torch.Tensor, teacher_features: torch.Te
     return ((features - teacher_features) ** 2).sum(dim=1).mean() / features.shape[1]
 
 
-class FrozenClassifierMethod(FederatedMethod):
+class FrozenClassifierMethod(SharedModelMethod):
     """Base of the frozen-classifier family. Subclasses choose the head in `build_network` and their
     local objective in `objective(model, x, y, teacher)` (also used by personalised fine-tuning
     with the method's own loss, e.g. FedDr+FT).

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import SharedModelMethod
 from fl_lightning.methods.common import ServerStateMixin, to_cpu
 from fl_lightning.models import FLModel
 from fl_lightning.uploads import ClientUpload
@@ -34,7 +34,7 @@ def moon_contrastive_loss(z: torch.Tensor, z_global: torch.Tensor, z_prev: torch
     return F.cross_entropy(logits, torch.zeros(len(z), dtype=torch.long, device=z.device))
 
 
-class MOON(ServerStateMixin, FederatedMethod):
+class MOON(ServerStateMixin, SharedModelMethod):
     """Args:
         mu: weight of the contrastive loss (FedSOL paper 0.1).
         tau: temperature of the contrastive loss (FedSOL paper 0.5).

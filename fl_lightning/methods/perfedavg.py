@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import SharedModelMethod
 from fl_lightning.models import FLModel
 
 VARIANTS = ("fo", "hf")
@@ -68,7 +68,7 @@ def split_halves(x: torch.Tensor, y: torch.Tensor):
     return (x[:n1], y[:n1]), (x[n1:], y[n1:])
 
 
-class PerFedAvg(FederatedMethod):
+class PerFedAvg(SharedModelMethod):
     """Args:
         alpha: step size of the inner (personalisation) step, also of `personal_model`'s
             adaptation. beta, the outer step size, is `lr`.

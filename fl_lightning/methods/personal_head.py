@@ -69,11 +69,11 @@ import copy
 import torch
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import SharedModelMethod
 from fl_lightning.uploads import ClientUpload, weighted_average
 
 
-class PersonalHeadMethod(FederatedMethod):
+class PersonalHeadMethod(SharedModelMethod):
     """Shared body averaged by the server, personal head kept by each client (FedPer, FedRep).
 
     Args:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import SharedModelMethod
 from fl_lightning.methods.common import ServerStateMixin, effective_steps, state_or_zeros, to_cpu
 from fl_lightning.uploads import ClientUpload, weighted_average
 
 
-class SCAFFOLD(ServerStateMixin, FederatedMethod):
+class SCAFFOLD(ServerStateMixin, SharedModelMethod):
     """Args:
         momentum_correction: K_eff from the momentum (official code) instead of the plain step count K.
     """
