@@ -4,8 +4,14 @@
   data module's DataSpec (classes, channels, image size) is linked into it.
 - The federated callback is always present and configurable as `--federation.*`; personalised
   evaluation (fine-tune per client, local-only baseline) as `--personalization.*` (off by default).
-- Every round is checkpointed to `<trainer.default_root_dir>/checkpoints/last.ckpt`, so
-  `--ckpt_path last` resumes the run configured in the same directory.
+- Every completed round is checkpointed, atomically, to
+  `<trainer.default_root_dir>/checkpoints/last.ckpt` (fl_lightning/checkpointing.py), so
+  `--ckpt_path last` resumes the run configured in the same directory; a checkpoint of another
+  experiment, or a damaged file, is refused before anything loads it.
+- One fit per run directory (fl_lightning/rundir.py): a second fit into a used directory is
+  refused unless it resumes (`--ckpt_path last`) or overwrites (`--overwrite true`).
+- SIGTERM (a preempted job) and Ctrl-C abandon the current round and exit with 128 + the signal's
+  number and one line saying how to resume; the last completed round's checkpoint is kept.
 - User errors (unknown names, impossible partitions, missing files) print one line, exit 2.
 """
 
@@ -13,47 +19,95 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 from pathlib import Path
 
-from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
+from lightning.pytorch.callbacks import Checkpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
 
+from fl_lightning.checkpointing import LAST, AtomicCheckpointIO, RoundCheckpoint, check_compatible, load_checkpoint_file
 from fl_lightning.data.datamodule import FederatedDataModule
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import FederatedCallback, FLDivergedError
 from fl_lightning.methods import FederatedMethod
 from fl_lightning.personalization import PersonalizationCallback
 from fl_lightning.progress import RoundProgressBar
+from fl_lightning.results import ResultsCallback
+from fl_lightning.rundir import RunDirectory, is_first_process
+
+
+class FLInterrupted(BaseException):
+    """SIGTERM or SIGINT: the current round is abandoned (a BaseException, like KeyboardInterrupt,
+    so no `except Exception` on the way swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame) -> None:
+    raise FLInterrupted(signum)
 
 
 class FLCLI(LightningCLI):
+    active: FLCLI | None = None  # the CLI of the current main() call, for the interrupted message
+    run_dir: RunDirectory | None = None
+    round_checkpoint: RoundCheckpoint | None = None
+
+    def __init__(self, *args, **kwargs):
+        FLCLI.active = self
+        super().__init__(*args, **kwargs)
+
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(FederatedCallback, "federation")
         parser.add_lightning_class_args(PersonalizationCallback, "personalization")
         parser.link_arguments("data.spec", "model.init_args.data_spec", apply_on="instantiate")
+        parser.add_argument("--overwrite", type=bool, default=False,
+                            help="fit: replace the run already in trainer.default_root_dir (its config, checkpoints "
+                                 "and results) instead of refusing to start")
+
+    def _subcommand_config(self):
+        return self.config.get(self.config.subcommand, self.config) if self.config.get("subcommand") else self.config
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning's version loads the file and replaces the requested hyperparameters with the
+        checkpoint's. Here the file is checked first (one line for a damaged or foreign file), and
+        a checkpoint must match the requested experiment instead of overriding it."""
+        cfg = self._subcommand_config()
+        ckpt = cfg.get("ckpt_path")
+        if not ckpt:
+            return
+        root = Path(cfg["trainer"].get("default_root_dir") or "runs/default")
+        if ckpt == "last":
+            last = root / "checkpoints" / LAST
+            if not last.exists():
+                raise FLUserError(f"--ckpt_path last: no checkpoint at {last}; run fit with the same "
+                                  f"trainer.default_root_dir first")
+            ckpt = cfg["ckpt_path"] = str(last)
+        elif not Path(ckpt).exists():
+            raise FLUserError(f"--ckpt_path {ckpt}: no such file")
+        state = load_checkpoint_file(ckpt)
+        check_compatible(ckpt, state, cfg["model"], cfg["data"])
 
     def before_instantiate_classes(self) -> None:
-        cfg = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+        cfg = self._subcommand_config()
         trainer = cfg["trainer"]
         if trainer.get("reload_dataloaders_every_n_epochs") != 1:
             raise FLUserError("trainer.reload_dataloaders_every_n_epochs must be 1: every round samples new clients")
         root = trainer.get("default_root_dir") or "runs/default"
         trainer["default_root_dir"] = root
+        self._run_root = Path(root)
         self._checkpoint_dir = Path(root) / "checkpoints"
         logger = trainer.get("logger")
         init = getattr(logger, "init_args", None)
         if init is not None and "save_dir" in init and init.save_dir is None:
             init.save_dir = root
-        ckpt = cfg.get("ckpt_path")
-        if ckpt == "last":
-            last = self._checkpoint_dir / "last.ckpt"
-            if not last.exists():
-                raise FLUserError(f"--ckpt_path last: no checkpoint at {last}; run fit with the same "
-                                  f"trainer.default_root_dir first")
-            cfg["ckpt_path"] = str(last)
-        elif ckpt and not Path(ckpt).exists():
-            raise FLUserError(f"--ckpt_path {ckpt}: no such file")
+        overwrite = bool(cfg.get("overwrite"))
+        cfg["overwrite"] = False  # not saved into config.yaml: re-running that file must not wipe this run
+        if self.subcommand == "fit" and is_first_process():
+            self.run_dir = RunDirectory(root)
+            self.run_dir.prepare_fit(resuming=bool(cfg.get("ckpt_path")), overwrite=overwrite)
 
     def before_fit(self) -> None:
         # Load and partition the data before the run starts, so a missing file or an impossible
@@ -73,11 +127,14 @@ class FLCLI(LightningCLI):
         given = [*(config.get("callbacks") or []), *callbacks]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
             callbacks.append(RoundProgressBar())
-        if config.get("enable_checkpointing") is not False and not any(isinstance(c, ModelCheckpoint) for c in given):
+        if config.get("enable_checkpointing") is not False and not any(isinstance(c, Checkpoint) for c in given):
             # One checkpoint per round, overwritten, so a stopped run resumes at its last round.
-            callbacks.append(ModelCheckpoint(dirpath=self._checkpoint_dir, save_last=True, save_top_k=0,
-                                             every_n_epochs=1, enable_version_counter=False))
-        return super()._instantiate_trainer(config, callbacks)
+            self.round_checkpoint = RoundCheckpoint(self._checkpoint_dir)
+            callbacks.append(self.round_checkpoint)
+        callbacks.append(ResultsCallback(self._run_root))
+        trainer = super()._instantiate_trainer(config, callbacks)
+        trainer.strategy.checkpoint_io = AtomicCheckpointIO(self.round_checkpoint)
+        return trainer
 
 
 TRAINER_DEFAULTS = {
@@ -95,6 +152,10 @@ def finish_wandb(exit_code: int) -> None:
     wandb = sys.modules.get("wandb")
     if wandb is not None and wandb.run is not None:
         wandb.finish(exit_code=exit_code)
+        # finish() can return before W&B's core process has written the run's last block (a
+        # small offline run's file is then just its header); teardown waits for it, so the
+        # run's files are complete when the command returns (for `wandb sync`, sweeps, tests).
+        wandb.teardown()
 
 
 def _summarise_parse_error(text: str) -> str:
@@ -133,8 +194,24 @@ def _one_line(err: BaseException) -> tuple[str, int] | None:
     return None
 
 
+def _interrupted_line(err: FLInterrupted) -> str:
+    cli = FLCLI.active
+    where = ""
+    if cli is not None and getattr(cli, "trainer", None) is not None:
+        trainer = cli.trainer
+        where = f" in round {trainer.current_epoch + 1}/{trainer.max_epochs}"
+        checkpoint = cli.round_checkpoint
+        if checkpoint is not None and checkpoint.last_path.exists():
+            saved = checkpoint.rounds_saved
+            return (f"interrupted by {err}{where}; {saved} completed round(s) are saved in {checkpoint.last_path}: "
+                    f"resume with the same command and --ckpt_path last")
+    return f"interrupted by {err}{where}; no round was completed, so there is nothing to resume: start the run again"
+
+
 def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("WANDB_SILENT", "true")
+    previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
+    FLCLI.active = None
     try:
         FLCLI(
             FederatedMethod,
@@ -146,6 +223,11 @@ def main(args: list[str] | None = None) -> None:
             parser_kwargs={"default_env": False, "exit_on_error": False},
             args=args,
         )
+    except FLInterrupted as err:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        finish_wandb(exit_code=128 + err.signum)
+        print(f"error: {_interrupted_line(err)}", file=sys.stderr)
+        sys.exit(128 + err.signum)
     except Exception as err:
         reported = _one_line(err)
         finish_wandb(exit_code=1)
@@ -153,6 +235,11 @@ def main(args: list[str] | None = None) -> None:
             raise
         print(f"error: {reported[0]}", file=sys.stderr)
         sys.exit(reported[1])
+    finally:
+        if FLCLI.active is not None and FLCLI.active.run_dir is not None:
+            FLCLI.active.run_dir.unlock()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,14 @@ def write_atomically(state: State, path: Path) -> None:
         os.close(dir_fd)
 
 
+def read_client_states(saved: dict) -> dict[int, State]:
+    """Every client's state as a checkpoint records it (`fl_client_states`, either the manifest
+    of files or, for a run without a checkpoint directory, the states themselves)."""
+    store = ClientStateStore()
+    store.load_checkpoint_state(saved if ("manifest" in saved or "states" in saved) else {"states": saved})
+    return {client: store[client] for client in store}
+
+
 class ClientStateStore(MutableMapping):
     """{client: state} with a bounded cache over per-client files (see the module docstring).
 

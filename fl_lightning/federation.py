@@ -152,18 +152,32 @@ class FederatedCallback(L.Callback):
 
     def _diverged(self, trainer, pl_module, client: int) -> None:
         where = self._where(trainer, pl_module, client)
-        logger = trainer.logger
-        experiment = getattr(logger, "experiment", None)
-        summary = getattr(experiment, "summary", None)
-        if summary is not None:  # W&B: mark the run so dashboards can filter diverged runs
-            summary["diverged"] = True
-            summary["diverged_at"] = where
+        self._mark_summary(trainer, "diverged", where)
         if self.on_divergence == "skip_client":
             rank_zero_info(f"non-finite upload at {where}: skipping this client's upload")
             self._skipped.append(client)
             return
         raise FLDivergedError(f"diverged: non-finite weights at {where}; "
                               f"lower the lr or set --federation.on_divergence skip_client")
+
+    def _non_finite_evaluation(self, trainer, pl_module, loss: float) -> None:
+        """Finite weights can still give a NaN/inf test loss (an overflowing logit, a cosine of a
+        zero feature): the model is as unusable as one with NaN weights, so the same policy holds."""
+        where = f"round {trainer.current_epoch + 1}/{trainer.max_epochs}, method {type(pl_module).__name__}"
+        self._mark_summary(trainer, "diverged", where)
+        if self.on_divergence == "stop":
+            raise FLDivergedError(f"diverged: the global model's test loss is {loss} (its weights are finite) at "
+                                  f"{where}; lower the lr or set --federation.on_divergence skip_client")
+        rank_zero_info(f"non-finite global test loss ({loss}) at {where}; training continues "
+                       f"(--federation.on_divergence stop ends such runs)")
+
+    @staticmethod
+    def _mark_summary(trainer, flag: str, where: str) -> None:
+        """W&B summary flags, so dashboards can filter the runs a paper table calls diverged/failed."""
+        summary = getattr(getattr(trainer.logger, "experiment", None), "summary", None)
+        if summary is not None:
+            summary[flag] = True
+            summary[f"{flag}_at"] = where
 
     def _local_eval_loader(self, trainer):
         if self._local_loader is None:
@@ -175,9 +189,11 @@ class FederatedCallback(L.Callback):
             return
         m = trainer.callback_metrics
         acc, loss = m.get("global/test_acc"), m.get("global/test_loss")
-        if acc is not None and loss is not None and not math.isnan(float(loss)):
+        if acc is not None and loss is not None:
             rank_zero_info(f"round {trainer.current_epoch + 1}/{trainer.max_epochs}: "
                            f"global test acc {float(acc):.4f}, loss {float(loss):.4f}")
+            if not math.isfinite(float(loss)) and trainer.state.fn == "fit":
+                self._non_finite_evaluation(trainer, pl_module, float(loss))
         if acc is not None and self.collapse_rounds and trainer.state.fn == "fit":
             self._check_collapse(trainer, pl_module, float(acc))
 
@@ -198,10 +214,7 @@ class FederatedCallback(L.Callback):
             return
         where = f"round {trainer.current_epoch + 1}/{trainer.max_epochs}, method {type(pl_module).__name__}"
         state["failed_at"] = where
-        summary = getattr(getattr(trainer.logger, "experiment", None), "summary", None)
-        if summary is not None:  # W&B: dashboards can filter the runs a paper table calls "Failed"
-            summary["failed"] = True
-            summary["failed_at"] = where
+        self._mark_summary(trainer, "failed", where)
         message = (f"failed: global test accuracy has been at chance level (<= {chance:.3f} + 0.01, the "
                    f"majority class's share) for {self.collapse_rounds} rounds after reaching "
                    f"{state['best_acc']:.3f}, at {where}")

@@ -339,7 +339,9 @@ class SharedModelMethod(FederatedMethod):
         self.model: FLModel = self.build_network(self.hparams.model, spec)
         self.val_acc = MulticlassAccuracy(num_classes=spec.num_classes, average="micro")
         self.test_acc = MulticlassAccuracy(num_classes=spec.num_classes, average="micro")
-        self.val_loss, self.test_loss = MeanMetric(), MeanMetric()
+        # nan_strategy "disable": a NaN loss must reach the divergence policy, not be dropped
+        self.val_loss = MeanMetric(nan_strategy="disable")
+        self.test_loss = MeanMetric(nan_strategy="disable")
         self.global_weights: dict[str, torch.Tensor] | None = None
         self._global_model: FLModel | None = None
 

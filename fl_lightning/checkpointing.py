@@ -1,0 +1,223 @@
+"""Round checkpoints that survive what happens to long runs.
+
+- `RoundCheckpoint` writes `<dir>/last.ckpt` after every completed round (after aggregation,
+  validation and the round's metrics), and never in the middle of one: a checkpoint taken
+  mid-round could not be resumed exactly, because the round's clients, uploads and the server's
+  pending state are not in it.
+- `AtomicCheckpointIO` writes every checkpoint to a temporary file in the same directory, fsyncs it
+  and renames it over the old one, so a process killed at any moment leaves either the previous
+  round's file or the new one, never a truncated one. (Lightning's own `_atomic_save` stages the
+  file in TMPDIR and moves it: across filesystems that is a copy, which a kill can cut short.)
+- `check_checkpoint` reads a checkpoint given as `--ckpt_path` before Lightning does, and turns an
+  unreadable or foreign file into one line.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.utilities import rank_zero_info
+
+from fl_lightning.errors import FLUserError
+
+log = logging.getLogger(__name__)
+LAST = "last.ckpt"
+TEMP_MARK = ".partial-"
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write `data` to `path` so that a reader (or a process killed mid-write) sees either the old
+    content or all of the new one: temp file in the same directory, fsync, rename, fsync the dir."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f"{TEMP_MARK}{os.getpid()}-{path.name}")
+    with open(temp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself must reach the disk before we call the round saved
+    finally:
+        os.close(fd)
+
+
+def remove_stray_temporaries(directory: str | Path) -> list[Path]:
+    """Temporary files left by a process killed mid-write; safe to delete only while holding the
+    run directory's lock (rundir.py), when no other process can be writing them."""
+    directory = Path(directory)
+    stray = sorted(directory.glob(f"{TEMP_MARK}*")) if directory.is_dir() else []
+    for path in stray:
+        path.unlink(missing_ok=True)
+    return stray
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Atomic writes; and a save requested mid-round (by anything but the round checkpoint) gets
+    the last completed round's file, see `RoundCheckpoint`."""
+
+    def __init__(self, rounds: RoundCheckpoint | None = None):
+        super().__init__()
+        self.rounds = rounds
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Any | None = None) -> None:
+        rounds = self.rounds
+        if rounds is not None and rounds.mid_round and not rounds.saving:
+            if not rounds.last_path.exists():
+                rank_zero_info(f"checkpoint requested before the first round completed: not saved ({path})")
+                return
+            rank_zero_info(f"checkpoint requested mid-round: {path} gets the last completed round")
+            data = rounds.last_path.read_bytes()
+        else:
+            buffer = io.BytesIO()
+            torch.save(checkpoint, buffer)
+            data = buffer.getvalue()
+        atomic_write_bytes(path, data)
+
+
+class RoundCheckpoint(Checkpoint):
+    """`last.ckpt` after every completed round.
+
+    It runs at the end of the training epoch (= round), after the federated callback aggregated,
+    validation evaluated the new global model and the round's metrics were computed; as a
+    `Checkpoint` callback Lightning calls it after every other callback of that hook, so their
+    per-round state (divergence counters, results rows) is in the file.
+
+    Lightning may also save mid-round on its own (SLURM's auto-requeue signal saves an "hpc"
+    checkpoint wherever training is). `AtomicCheckpointIO` gives such a save the content of the
+    last completed round instead, so a requeued job resumes that round exactly rather than a
+    half-trained one.
+    """
+
+    def __init__(self, dirpath: str | Path):
+        super().__init__()
+        self.dirpath = Path(dirpath)
+        self.mid_round = False  # between a round's first client and its checkpoint
+        self.saving = False
+        self._saved_epoch = -1
+
+    @property
+    def last_path(self) -> Path:
+        return self.dirpath / LAST
+
+    @property
+    def rounds_saved(self) -> int:
+        return self._saved_epoch + 1
+
+    def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
+        io_plugin = trainer.strategy.checkpoint_io
+        if isinstance(io_plugin, AtomicCheckpointIO):
+            io_plugin.rounds = self
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        self.mid_round = True
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module) -> None:
+        # A resumed run replays the end-of-epoch hooks of the round it restored: saved already.
+        if not trainer.sanity_checking and self._saved_epoch != trainer.current_epoch:
+            self.saving = True
+            started = time.perf_counter()
+            try:
+                self._saved_epoch = trainer.current_epoch
+                trainer.save_checkpoint(self.last_path)
+            finally:
+                self.saving = False
+            if trainer.is_global_zero:  # benchmarks/checkpoint_cost.py reads this line
+                log.debug("round %d checkpoint: %d bytes in %.4f s", trainer.current_epoch + 1,
+                          self.last_path.stat().st_size, time.perf_counter() - started)
+        self.mid_round = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"saved_epoch": self._saved_epoch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._saved_epoch = int(state_dict.get("saved_epoch", -1))
+
+
+def completed_rounds(state: Mapping[str, Any]) -> int:
+    """Rounds a checkpoint holds. (Its `epoch` is the index of the epoch it was saved in: a round
+    checkpoint is saved at the epoch's end, before Lightning counts that epoch as completed.)"""
+    return int(state["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"])
+
+
+# ---- checking a checkpoint before Lightning loads it ------------------------------------------
+
+# Options that may differ between a run and its resumption: they change how a run is executed or
+# reported, not what it computes.
+RESUMABLE_DATA_OPTIONS = frozenset({"root", "download", "num_workers", "eval_batch_size"})
+RESUMABLE_MODEL_OPTIONS = frozenset({"data_spec"})
+INTERNAL = frozenset({"_instantiator", "_class_path"})
+
+
+def load_checkpoint_file(path: str | Path) -> dict[str, Any]:
+    """The checkpoint as a dict, or one line saying why this file is not one."""
+    path = Path(path)
+    if path.is_dir():
+        raise FLUserError(f"--ckpt_path {path}: is a directory; give a .ckpt file such as {path / LAST}")
+    size = path.stat().st_size
+    if size == 0:
+        raise FLUserError(f"--ckpt_path {path}: the file is empty (0 bytes); resume from another checkpoint or "
+                          f"start a new run")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # torch raises many types for damaged files (EOFError, RuntimeError, ...)
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise FLUserError(f"--ckpt_path {path}: not a readable checkpoint ({type(err).__name__}: {reason[:120]}); "
+                          f"the file is truncated, corrupt or not a PyTorch checkpoint") from None
+    if not isinstance(state, Mapping) or "state_dict" not in state or "hyper_parameters" not in state:
+        raise FLUserError(f"--ckpt_path {path}: a PyTorch file, but not a Lightning checkpoint of an fl-lightning "
+                          f"run (no state_dict/hyper_parameters)")
+    return dict(state)
+
+
+def _plain(value: Any) -> Any:
+    """Config values and checkpoint hyperparameters in one comparable form."""
+    if isinstance(value, Mapping) or hasattr(value, "items"):
+        return {k: _plain(v) for k, v in dict(value.items()).items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _differences(kind: str, saved: Mapping, requested: Mapping, ignore: frozenset) -> list[str]:
+    out = []
+    for key in sorted(set(saved) | set(requested)):
+        if key in ignore or key in INTERNAL:
+            continue
+        if key in saved and key in requested and _plain(saved[key]) != _plain(requested[key]):
+            out.append(f"{kind}.{key}: checkpoint {saved[key]!r}, requested {requested[key]!r}")
+        elif (key in saved) != (key in requested):
+            out.append(f"{kind}.{key}: only in the {'checkpoint' if key in saved else 'request'}")
+    return out
+
+
+def check_compatible(path: str | Path, state: Mapping[str, Any], model_cfg: Any, data_cfg: Mapping) -> None:
+    """Refuse a checkpoint of another experiment: resuming it would silently continue a different
+    method, architecture or data split under this run's name."""
+    saved_model = dict(state.get("hyper_parameters") or {})
+    saved_class = saved_model.get("_class_path") or state.get("hparams_name")
+    requested_class = model_cfg.get("class_path") if hasattr(model_cfg, "get") else None
+    if saved_class and requested_class and saved_class != requested_class:
+        raise FLUserError(f"--ckpt_path {path}: checkpoint of method {saved_class.rsplit('.', 1)[-1]}, but the config "
+                          f"asks for {requested_class.rsplit('.', 1)[-1]}; resume with the checkpoint's own config "
+                          f"(config.yaml in its run directory) or start a new run")
+    requested_model = dict(_plain(model_cfg.get("init_args") or {}))
+    diffs = _differences("model", saved_model, requested_model, RESUMABLE_MODEL_OPTIONS)
+    saved_data = state.get("datamodule_hyper_parameters")
+    if saved_data is not None:
+        diffs += _differences("data", dict(saved_data), dict(_plain(data_cfg)), RESUMABLE_DATA_OPTIONS)
+    if diffs:
+        more = f" (and {len(diffs) - 2} more)" if len(diffs) > 2 else ""
+        raise FLUserError(f"--ckpt_path {path}: the checkpoint is of a different experiment: {'; '.join(diffs[:2])}"
+                          f"{more}; only trainer options such as max_epochs may change on resume")

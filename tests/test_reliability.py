@@ -1,0 +1,285 @@
+"""A long run survives what happens to long runs, tested the way it happens: CLI subprocesses
+killed with SIGKILL during training, evaluation and the checkpoint write, SIGTERM, damaged and
+foreign checkpoints, a second fit into a used directory and two fits at once.
+
+Every resume is compared with an uninterrupted run of the same command: the final checkpoint's
+weights and client states bit for bit, and metrics.csv row for row."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fl_lightning.checkpointing import completed_rounds
+from fl_lightning.client_store import read_client_states
+from fl_lightning.results import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+ROUNDS = 6
+TINY = ["--data.dataset", "digits", "--data.num_clients", "10", "--data.local_epochs", "1",
+        "--data.min_size", "5", "--data.batch_size", "20", "--federation.local_eval_samples", "100",
+        "--trainer.max_epochs", str(ROUNDS), "--trainer.enable_progress_bar", "false"]
+METHODS = {
+    "fedsol": ["--config", str(REPO / "configs/fedsol_mnist5k.yaml"), "--model.init_args.model", "mlp", *TINY],
+    "scaffold": ["--config", str(REPO / "configs/scaffold_cifar10.yaml"), "--model.init_args.model", "mlp",
+                 "--data.augment", "false", *TINY],
+    "fedproto": ["--config", str(REPO / "configs/fedorgp/fedproto_cifar10_pathological.yaml"),
+                 "--model.init_args.model", "mlp,mlp", "--model.init_args.feature_dim", "16",
+                 "--data.augment", "false", *TINY],
+}
+
+
+def env() -> dict:
+    e = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), str(REPO), e.get("PYTHONPATH", "")])
+    return e
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "fl_lightning.cli", *args]
+
+
+def start(method: str, root: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(cli("fit", *METHODS[method], "--trainer.default_root_dir", str(root), *extra),
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def kill_switch(round_: int, where: str, sig: str = "SIGKILL") -> list[str]:
+    spec = {"class_path": "killswitch.KillSwitch", "init_args": {"round": round_, "where": where, "sig": sig}}
+    return [f"--trainer.callbacks+={json.dumps(spec)}"]
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
+
+
+def final_state(root: Path) -> dict:
+    return torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    sa, sb = final_state(a), final_state(b)
+    assert completed_rounds(sa) == completed_rounds(sb) == ROUNDS
+    assert sa["state_dict"].keys() == sb["state_dict"].keys()
+    for key in sa["state_dict"]:
+        assert torch.equal(sa["state_dict"][key], sb["state_dict"][key]), key
+    clients_a = read_client_states(sa.get("fl_client_states", {}))
+    clients_b = read_client_states(sb.get("fl_client_states", {}))
+    assert clients_a.keys() == clients_b.keys()
+    for client in clients_a:
+        for key in clients_a[client]:
+            assert torch.equal(clients_a[client][key], clients_b[client][key]), (client, key)
+    rows_a, rows_b = read_metrics(a / "metrics.csv"), read_metrics(b / "metrics.csv")
+    assert [r["round"] for r in rows_a] == list(range(1, ROUNDS + 1))
+    assert rows_a == rows_b
+
+
+@pytest.fixture(scope="module")
+def straight_runs(tmp_path_factory):
+    """The uninterrupted reference run of every method, started side by side."""
+    base = tmp_path_factory.mktemp("straight")
+    procs = {m: start(m, base / m) for m in METHODS}
+    for method, proc in procs.items():
+        code, err = finish(proc)
+        assert code == 0, f"{method}: {err[-2000:]}"
+    return {m: base / m for m in METHODS}
+
+
+@pytest.mark.parametrize(("method", "where"), [("fedsol", "train"), ("scaffold", "train"), ("fedproto", "train"),
+                                               ("fedsol", "eval"), ("fedsol", "write")])
+def test_sigkill_in_round_4_then_resume_equals_uninterrupted(method, where, straight_runs, tmp_path):
+    root = tmp_path / "run"
+    code, err = finish(start(method, root, *kill_switch(4, where)))
+    assert code == -signal.SIGKILL, err[-2000:]
+    saved = final_state(root)
+    assert completed_rounds(saved) == 3  # rounds 1-3 completed and checkpointed; round 4 was cut off
+    if where == "write":
+        assert list((root / "checkpoints").glob(".partial-*")), "the killed write should have left its temp file"
+    code, err = finish(start(method, root, "--ckpt_path", "last"))
+    assert code == 0, err[-2000:]
+    assert not list(root.glob("**/.partial-*")), "stray temporary files are removed on restart"
+    assert_same_run(straight_runs[method], root)
+
+
+def test_sigterm_exits_non_zero_with_a_resumable_checkpoint(straight_runs, tmp_path):
+    root = tmp_path / "run"
+    code, err = finish(start("fedsol", root, *kill_switch(4, "train", sig="SIGTERM")))
+    assert code == 128 + signal.SIGTERM
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "SIGTERM" in lines[0] and "--ckpt_path last" in lines[0] and "3 completed" in lines[0]
+    assert "Traceback" not in err
+    summary = json.loads((root / "summary.json").read_text())
+    assert summary["finished"] is False and summary["rounds_completed"] == 3
+    code, err = finish(start("fedsol", root, "--ckpt_path", "last"))
+    assert code == 0, err[-2000:]
+    assert_same_run(straight_runs["fedsol"], root)
+    assert json.loads((root / "summary.json").read_text())["finished"] is True
+
+
+def test_sigterm_from_outside_a_running_fit(tmp_path):
+    """The signal a scheduler sends, at whatever moment it arrives."""
+    root = tmp_path / "run"
+    proc = start("fedsol", root, "--trainer.max_epochs", "200")
+    deadline = time.time() + 300
+    while not (root / "checkpoints" / "last.ckpt").exists():
+        assert proc.poll() is None and time.time() < deadline, "the run should be training"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    code, err = finish(proc)
+    assert code == 128 + signal.SIGTERM
+    assert [line for line in err.splitlines() if line.startswith("error:")][0].count("--ckpt_path last") == 1
+    assert completed_rounds(final_state(root)) >= 1
+
+
+# ---- damaged and foreign files: one line, exit 2, no traceback -------------------------------------
+
+
+def _one_line_exit_2(args: list[str]) -> str:
+    result = subprocess.run(cli(*args), env=env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-2000:]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def good_checkpoint(straight_runs) -> Path:
+    return straight_runs["fedsol"] / "checkpoints" / "last.ckpt"
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "random", "text", "pickle_of_a_list", "directory"])
+def test_damaged_checkpoint_is_one_line(damage, good_checkpoint, tmp_path):
+    bad = tmp_path / "bad.ckpt"
+    data = good_checkpoint.read_bytes()
+    if damage == "empty":
+        bad.write_bytes(b"")
+    elif damage == "truncated":
+        bad.write_bytes(data[: len(data) // 2])
+    elif damage == "random":
+        bad.write_bytes(os.urandom(4096))
+    elif damage == "text":
+        bad.write_text("model: FedSOL\nthis is not a checkpoint\n")
+    elif damage == "pickle_of_a_list":
+        torch.save([1, 2, 3], bad)
+    else:
+        bad.mkdir()
+    line = _one_line_exit_2(["fit", *METHODS["fedsol"], "--trainer.default_root_dir", str(tmp_path / "r"),
+                             "--ckpt_path", str(bad)])
+    assert str(bad) in line
+
+
+def test_foreign_checkpoints_are_refused(straight_runs, tmp_path):
+    scaffold = straight_runs["scaffold"] / "checkpoints" / "last.ckpt"
+    line = _one_line_exit_2(["fit", *METHODS["fedsol"], "--trainer.default_root_dir", str(tmp_path / "a"),
+                             "--ckpt_path", str(scaffold)])
+    assert "SCAFFOLD" in line and "FedSOL" in line
+    fedsol = straight_runs["fedsol"] / "checkpoints" / "last.ckpt"
+    line = _one_line_exit_2(["fit", *METHODS["fedsol"], "--model.init_args.model", "fedavg_cnn",
+                             "--trainer.default_root_dir", str(tmp_path / "b"), "--ckpt_path", str(fedsol)])
+    assert "model.model" in line and "'mlp'" in line and "'fedavg_cnn'" in line
+    line = _one_line_exit_2(["fit", *METHODS["fedsol"], "--data.alpha", "0.5",
+                             "--trainer.default_root_dir", str(tmp_path / "c"), "--ckpt_path", str(fedsol)])
+    assert "data.alpha" in line
+
+
+def test_a_second_fit_into_a_used_directory_is_refused(straight_runs, tmp_path):
+    root = straight_runs["fedsol"]
+    before = (root / "checkpoints" / "last.ckpt").read_bytes()
+    line = _one_line_exit_2(["fit", *METHODS["scaffold"], "--trainer.default_root_dir", str(root)])
+    assert "--ckpt_path last" in line and "--overwrite" in line
+    assert (root / "checkpoints" / "last.ckpt").read_bytes() == before
+
+
+def test_two_fits_at_once_in_one_directory(tmp_path):
+    root = tmp_path / "run"
+    first = start("fedsol", root, "--trainer.max_epochs", "200")
+    deadline = time.time() + 300
+    while not (root / "checkpoints" / "last.ckpt").exists():
+        assert first.poll() is None and time.time() < deadline
+        time.sleep(0.2)
+    try:
+        line = _one_line_exit_2(["fit", *METHODS["fedsol"], "--trainer.default_root_dir", str(root),
+                                 "--ckpt_path", "last"])
+        assert "another fit is running" in line and str(first.pid) in line
+    finally:
+        first.kill()
+        first.communicate()
+
+
+# ---- a NaN global evaluation with finite weights ----------------------------------------------------
+
+
+def test_non_finite_global_test_loss_goes_through_the_divergence_policy(caplog):
+    from fl_test_utils import fit, one_client_module, toy_data
+
+    from fl_lightning.federation import FLDivergedError
+    from fl_lightning.methods import FedAvg
+
+    class NaNLogitsFromRound2(FedAvg):
+        """Finite weights, non-finite class scores: what an overflowing logit looks like."""
+
+        def predict_logits(self, x):
+            logits = super().predict_logits(x)
+            return logits * float("nan") if self.round_idx >= 1 else logits
+
+    x, y = toy_data(n=12)
+    dm = one_client_module(x, y)
+    with pytest.raises(FLDivergedError, match="test loss is nan.*round 2/3"):
+        fit(NaNLogitsFromRound2(model="mlp", data_spec=dm.spec), dm, rounds=3)
+    dm = one_client_module(x, y)
+    caplog.clear()
+    trainer = fit(NaNLogitsFromRound2(model="mlp", data_spec=dm.spec), dm, rounds=3, on_divergence="skip_client")
+    assert trainer.current_epoch == 3
+    assert "non-finite global test loss (nan) at round 2/3" in caplog.text
+    assert "round 2/3: global test acc" in caplog.text  # the round's line is reported, not skipped
+
+
+# ---- W&B history is complete on disk when a command returns ------------------------------------------
+
+
+def test_wandb_rows_are_on_disk_when_the_run_is_finished(tmp_path, monkeypatch):
+    """wandb.finish() can return before W&B's core process writes the last block (measured here:
+    2 of 3 small offline runs were still a 7-byte file right after finish)."""
+    import wandb
+
+    from fl_lightning.cli import finish_wandb
+    from fl_lightning.loggers import read_offline_history
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    for attempt in range(5):
+        run = wandb.init(project="t", dir=str(tmp_path), name=f"r{attempt}")
+        for i in range(5):
+            run.log({"global/test_acc": i / 10})
+        finish_wandb(exit_code=0)
+        rows = read_offline_history(next(Path(run.dir).parent.glob("run-*.wandb")))
+        assert [r["global/test_acc"] for r in rows] == [0.0, 0.1, 0.2, 0.3, 0.4]
+
+
+def test_a_damaged_wandb_file_is_an_error_not_missing_rows(tmp_path):
+    import wandb
+
+    from fl_lightning.cli import finish_wandb
+    from fl_lightning.loggers import IncompleteRunFile, read_offline_history
+
+    run = wandb.init(project="t", dir=str(tmp_path), mode="offline")
+    run.log({"a": 1})
+    finish_wandb(exit_code=0)
+    path = next(Path(run.dir).parent.glob("run-*.wandb"))
+    data = bytearray(path.read_bytes())
+    (tmp_path / "cut.wandb").write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(IncompleteRunFile):
+        read_offline_history(tmp_path / "cut.wandb")
+    data[len(data) // 2] ^= 0xFF
+    (tmp_path / "flipped.wandb").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="checksum|exit record"):
+        read_offline_history(tmp_path / "flipped.wandb")
