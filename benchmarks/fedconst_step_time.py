@@ -3,9 +3,9 @@
     PYTHONPATH=$PWD python benchmarks/fedconst_step_time.py [--model fedavg_cnn] [--rounds 3]
 
 Runs the methods in alternation (A, B, A, B, ...) on MNIST-5k, one thread, so both see the same
-machine load; a step is timed from the start of a batch (after the client has been set up) to its
-end, in wall time and in CPU time of this process (the robust figure on a shared machine). Prints
-the medians and their ratios.
+machine load; a step (the method's `minibatch_step`) is timed from its start to its end, in wall
+time and in CPU time of this process (the robust figure on a shared machine). Prints the medians
+and their ratios.
 """
 
 from __future__ import annotations
@@ -22,16 +22,19 @@ from fl_lightning.federation import FederatedCallback
 from fl_lightning.methods import FedAvg
 
 
-class StepTimer(L.Callback):
-    def __init__(self):
-        self.times: list[tuple[float, float]] = []  # (wall, cpu) seconds per step
-        self._t0 = (0.0, 0.0)
+def time_steps(method) -> list[tuple[float, float]]:
+    """(wall, cpu) seconds of every call of the method's per-mini-batch step."""
+    times: list[tuple[float, float]] = []
+    step = method.minibatch_step
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._t0 = (time.perf_counter(), time.process_time())
+    def timed(batch):
+        t0 = (time.perf_counter(), time.process_time())
+        out = step(batch)
+        times.append((time.perf_counter() - t0[0], time.process_time() - t0[1]))
+        return out
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.times.append((time.perf_counter() - self._t0[0], time.process_time() - self._t0[1]))
+    method.minibatch_step = timed
+    return times
 
 
 def run(model: str, constraint: str, rounds: int, seed: int) -> list[tuple[float, float]]:
@@ -39,13 +42,13 @@ def run(model: str, constraint: str, rounds: int, seed: int) -> list[tuple[float
     dm = FederatedDataModule(dataset="mnist5k", num_clients=50, sample_ratio=0.2, local_epochs=5,
                              batch_size=50, partition="dirichlet", alpha=0.1, seed=seed)
     method = FedAvg(model=model, constraint=constraint, data_spec=dm.spec)
-    timer = StepTimer()  # after the federated callback: client_start is not timed
+    times = time_steps(method)
     trainer = L.Trainer(max_epochs=rounds, reload_dataloaders_every_n_epochs=1, num_sanity_val_steps=0,
                         limit_val_batches=0, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
-                        callbacks=[FederatedCallback(eval_local_models=False), timer])
+                        callbacks=[FederatedCallback(eval_local_models=False)])
     trainer.fit(method, dm)
-    return timer.times
+    return times
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """Median wall time of one local step of every method, as a ratio to FedAvg's, in one process.
 
 Setting: FedAvg CNN on MNIST-5k shapes (1x28x28, 10 classes), batch 50, one client, SGD
-0.01/0.9/1e-5, one CPU thread. Each method runs `--steps` local steps per pass; the first and last
-step of a pass (client start/end) are not timed. Passes alternate over the methods (`--passes`) so
+0.01/0.9/1e-5, one CPU thread. Each method runs `--steps` local steps per pass; `minibatch_step` is
+timed, except a client's first step. Passes alternate over the methods (`--passes`) so
 that a change in machine load hits every method alike; the figure per method is the median over all
 its timed steps. Random inputs: the cost of a step does not depend on the pixel values.
 
@@ -29,17 +29,22 @@ METHODS = ["FedAvg", "FedProx", "SCAFFOLD", "FedNova", "FedDyn", "MOON", "FedNTD
            "FedExP", "FedSOL"]
 
 
-class StepTimer(L.Callback):
-    def __init__(self):
-        self.times: list[float] = []
-        self._t0 = 0.0
+def time_steps(method) -> list[float]:
+    """Wraps the method's per-mini-batch step; a client's first step (for FedSOL a plain step) is
+    not timed."""
+    times: list[float] = []
+    step = method.minibatch_step
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._t0 = time.perf_counter()
+    def timed(batch):
+        first = method.local_step == 0
+        t0 = time.perf_counter()
+        out = step(batch)
+        if not first:
+            times.append(time.perf_counter() - t0)
+        return out
 
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if 0 < batch_idx < trainer.num_training_batches - 1:  # not the client's start/end
-            self.times.append(time.perf_counter() - self._t0)
+    method.minibatch_step = timed
+    return times
 
 
 def one_pass(name: str, dataset: str, spec: DataSpec, steps: int) -> list[float]:
@@ -47,14 +52,14 @@ def one_pass(name: str, dataset: str, spec: DataSpec, steps: int) -> list[float]
     dm = FederatedDataModule(dataset=dataset, num_clients=1, sample_ratio=1.0, local_epochs=1, batch_size=50,
                              partition="iid", min_size=1)
     method = getattr(methods, name)(model="fedavg_cnn", data_spec=spec)
-    timer = StepTimer()
+    times = time_steps(method)
     trainer = L.Trainer(max_epochs=1, reload_dataloaders_every_n_epochs=1, num_sanity_val_steps=0,
                         limit_val_batches=0, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
-                        callbacks=[FederatedCallback(eval_local_models=False), timer])
+                        callbacks=[FederatedCallback(eval_local_models=False)])
     trainer.fit(method, dm)
-    assert len(timer.times) == steps - 2
-    return timer.times
+    assert len(times) == steps - 1
+    return times
 
 
 def main() -> None:

@@ -1,18 +1,18 @@
 """The round: a Lightning Callback that turns one training epoch into one communication round.
 
-It knows no method by name. At round start it asks the method to take the global state; at each
-client's first batch it starts that client; after the client's last batch it collects the
-client's upload (and checks it is finite); after the round's last batch it has the method
+It knows no method by name. At round start it asks the method to take the global state; one
+Trainer batch is one client, so before each batch it starts that client and after it collects the
+client's upload (and checks it is finite); after the round's last client it has the method
 aggregate the accepted uploads (and lets those clients keep their new local state), before
 Lightning's validation loop evaluates the new global model. What the method
-uploads and how the server combines it is entirely the method's business (`methods/base.py`).
+uploads (`uploads.ClientUpload`) and how the server combines it is entirely the method's business
+(`methods/base.py`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
@@ -20,44 +20,11 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from fl_lightning.errors import FLUserError
+from fl_lightning.uploads import ClientUpload, all_finite
 
 
 class FLDivergedError(RuntimeError):
     """A loss or an uploaded tensor became NaN/inf: the run stops instead of training on garbage."""
-
-
-@dataclass
-class ClientUpload:
-    """What one client sends to the server at the end of a round."""
-
-    client: int
-    num_samples: int
-    tensors: dict[str, torch.Tensor]
-    stats: dict[str, float] = field(default_factory=dict)  # for logging only, never aggregated
-
-
-def weighted_average(
-    tensors: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]
-) -> dict[str, torch.Tensor]:
-    """sum_i p_i x_i with p_i = weights_i / sum(weights), per key. Integer tensors (e.g. BN's
-    num_batches_tracked) are not averageable; they take the first client's value."""
-    total = float(sum(weights))
-    if not tensors or total <= 0:
-        raise ValueError("weighted_average needs at least one upload with a positive weight")
-    out = {}
-    for key, first in tensors[0].items():
-        if not torch.is_floating_point(first):
-            out[key] = first.clone()
-            continue
-        acc = torch.zeros_like(first, dtype=torch.float64 if first.dtype == torch.float64 else torch.float32)
-        for t, w in zip(tensors, weights, strict=True):
-            acc.add_(t[key].to(acc.dtype), alpha=float(w) / total)
-        out[key] = acc.to(first.dtype)
-    return out
-
-
-def all_finite(tensors: Mapping[str, torch.Tensor]) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors.values() if torch.is_floating_point(t))
 
 
 class FederatedCallback(L.Callback):
@@ -75,12 +42,19 @@ class FederatedCallback(L.Callback):
             this many consecutive rounds. 0 switches the check off.
         on_collapse: "mark" prints one line and marks the W&B summary (`failed`, `failed_at`) and
             trains on; "stop" also ends the run (exit code 3).
+        client_cache_size: clients whose persistent state (control variates, personal models,
+            heterogeneous client models) stays in memory; the others wait in per-client files in
+            the run directory (0 = all in memory). Results do not depend on it.
     """
 
     def __init__(self, eval_local_models: bool = True, local_eval_samples: int = 1000,
                  on_divergence: Literal["stop", "skip_client"] = "stop", collapse_rounds: int = 5,
-                 on_collapse: Literal["mark", "stop"] = "mark"):
+                 on_collapse: Literal["mark", "stop"] = "mark", client_cache_size: int = 0):
         super().__init__()
+        if client_cache_size < 0:
+            raise FLUserError(f"federation.client_cache_size must be >= 0 (0 = all in memory), got "
+                              f"{client_cache_size}")
+        self.client_cache_size = client_cache_size
         if collapse_rounds < 0:
             raise FLUserError(f"federation.collapse_rounds must be >= 0 (0 = off), got {collapse_rounds}")
         if local_eval_samples < 0:
@@ -99,6 +73,13 @@ class FederatedCallback(L.Callback):
         self._local_loader = None
         self._skipped: list[int] = []
 
+    @property
+    def round_uploads(self) -> list[ClientUpload]:
+        """The current round's accepted uploads (typed, see uploads.py), complete from the end of
+        its last client until the next round starts: what an analysis callback reads, e.g. in
+        its own on_train_batch_end or on_validation_end."""
+        return list(self._uploads)
+
     # ---- set-up -------------------------------------------------------------------------------
     def on_fit_start(self, trainer: L.Trainer, pl_module) -> None:
         if trainer.reload_dataloaders_every_n_epochs != 1:
@@ -106,6 +87,15 @@ class FederatedCallback(L.Callback):
                               "(every round has its own clients)")
         if not hasattr(trainer.datamodule, "round_plan"):
             raise FLUserError("federated training needs a FederatedDataModule as data")
+        # Per-client state goes to files next to the checkpoints (so a checkpoint only names them),
+        # or, for a bounded cache without checkpoints, into the run directory.
+        checkpoint = trainer.checkpoint_callback
+        directory = None
+        if checkpoint is not None and getattr(checkpoint, "dirpath", None):
+            directory = Path(checkpoint.dirpath) / "client_states"
+        elif self.client_cache_size:
+            directory = Path(trainer.default_root_dir) / "client_states"
+        pl_module.configure_client_stores(directory, self.client_cache_size)
 
     # ---- the round ----------------------------------------------------------------------------
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module) -> None:
@@ -114,37 +104,27 @@ class FederatedCallback(L.Callback):
             raise RuntimeError(f"round plan is for round {getattr(plan, 'round', None)}, "
                                f"not {trainer.current_epoch}")
         self._plan = plan
-        self._starts = {c.first_batch: c for c in plan.clients}
-        self._ends = {c.first_batch + c.num_batches - 1: c for c in plan.clients}
+        self._clients_done = 0
         self._uploads, self._skipped = [], []
         self._local_stats: list[dict[str, float]] = []
         pl_module.round_start(plan.round, [c.client for c in plan.clients])
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        steps = self._starts.get(batch_idx)
-        if steps is not None:
-            pl_module.client_start(steps.client, steps.num_samples)
+        pl_module.client_start(batch.client, batch.num_samples)  # one batch = one client
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
-        steps = self._ends.get(batch_idx)
-        if steps is None:
-            return
         upload = pl_module.client_end()
-        if not all_finite(upload.tensors):
-            self._diverged(trainer, pl_module, steps.client)
+        self._clients_done += 1
+        if not all_finite(upload):
+            self._diverged(trainer, pl_module, batch.client)
         else:
             stats = dict(upload.stats)
-            if self.eval_local_models and pl_module.has_global_model:
-                stats["local_acc"], stats["local_loss"] = pl_module.evaluate(self._local_eval_loader(trainer))
+            if self.eval_local_models:
+                stats.update(pl_module.local_model_stats(lambda: self._local_eval_loader(trainer)))
             self._local_stats.append(stats)
             self._uploads.append(upload)
-        if batch_idx == self._plan.num_batches - 1:
+        if self._clients_done == len(self._plan.clients):
             self._finish_round(trainer, pl_module)
-
-    @property
-    def round_uploads(self) -> list[ClientUpload]:
-        """The uploads the server accepted in the current (after its end: the last) round."""
-        return list(self._uploads)
 
     @property
     def round_client_stats(self) -> list[dict[str, float]]:
@@ -158,13 +138,14 @@ class FederatedCallback(L.Callback):
         lr = pl_module.current_lr()
         pl_module.aggregate(self._uploads)
         pl_module.commit_kept_states(self._uploads)
-        if pl_module.has_global_model and not all_finite(pl_module.model.state_dict()):
+        if not all_finite(pl_module.aggregated_state()):
             # finite uploads can still aggregate to inf/NaN (a server step size, a control variate,
             # overflow); no client to skip then, so the run stops either way
             raise FLDivergedError(f"diverged: non-finite global model after aggregation at "
                                   f"{self._where(trainer, pl_module)}")
         pl_module.round_end()
         metrics = {"round": float(self._plan.round), "lr": lr, "clients/skipped": float(len(self._skipped))}
+        metrics.update(pl_module.flush_local_logs())
         for key in sorted({k for s in self._local_stats for k in s}):
             values = torch.tensor([s[key] for s in self._local_stats if key in s], dtype=torch.float64)
             metrics[f"local/{key}_mean"] = float(values.mean())

@@ -2,7 +2,7 @@
 client's own test set, report mean and std over clients (FedAvg-FT, FedSOL-FT, FedBABU-FT,
 FedDr+FT), and the local-only baseline (each client trains alone from the initial model).
 Methods that keep their own personalised models (FedPer, FedRep, Ditto, Per-FedAvg, kNN-Per:
-`FederatedMethod.personal_model`) are also tested as they are (`personal/own_acc_*`).
+`SharedModelMethod.personal_model`) are also tested as they are (`personal/own_acc_*`).
 
 Every fine-tuning runs on a deep copy with its own optimizer, so the global model, the trainer's
 optimizer and lr schedule and the next round are untouched. Per-client test sets come from the data
@@ -66,7 +66,7 @@ class PersonalizationCallback(L.Callback):
         self.every_n_rounds, self.at_end = every_n_rounds, at_end
         self.local_only, self.local_only_epochs = local_only, local_only_epochs
         self.max_clients, self.seed = max_clients, seed
-        self._initial_state: dict[str, torch.Tensor] | None = None
+        self._initial_states: dict[int, dict[str, torch.Tensor]] = {}
         self.results: dict[str, float] = {}
         self.per_client: dict[str, list[float]] = {}
 
@@ -80,10 +80,16 @@ class PersonalizationCallback(L.Callback):
         if dm.client_test_mode == "none":
             raise FLUserError("personalised evaluation needs per-client test sets: set --data.client_test "
                               "partition|align, or --data.client_test_fraction > 0")
-        if not pl_module.has_global_model:
-            raise FLUserError(f"{type(pl_module).__name__} has no global model to fine-tune")
-        # The initial model of the local-only baseline (on resume this is the resumed model).
-        self._initial_state = {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}
+        # The initial model of the local-only baseline (on resume this is the resumed model); one
+        # copy per distinct starting model (all clients share the global model's)
+        self._initial_states = {}
+        if self.local_only:
+            copies: dict[int, dict[str, torch.Tensor]] = {}
+            for client in self.clients(dm):
+                start = pl_module.finetune_start(client)
+                if id(start) not in copies:
+                    copies[id(start)] = {k: v.detach().clone() for k, v in start.state_dict().items()}
+                self._initial_states[client] = copies[id(start)]
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         if self.enabled and self.every_n_rounds and (trainer.current_epoch + 1) % self.every_n_rounds == 0:
@@ -103,26 +109,26 @@ class PersonalizationCallback(L.Callback):
 
     def evaluate(self, trainer, pl_module, local_only: bool = False) -> dict[str, float]:
         dm = trainer.datamodule
-        global_model = pl_module.model
         per: dict[str, list[float]] = {"global": []}
         per.update({f"ft{e}": [] for e in self.epochs})
         if local_only:
             per["local_only"] = []
         for client in self.clients(dm):
             test = dm.client_loader(client, "test")
-            per["global"].append(self.accuracy(global_model, test, pl_module.device))
+            start = pl_module.finetune_start(client)  # the global model, or the client's own
+            per["global"].append(self.accuracy(start, test, pl_module.device))
             own = pl_module.personal_model(client)
             if own is not None:  # the method's own personalised model (1-step pFL)
                 per.setdefault("own", []).append(self.accuracy(own, test, pl_module.device))
-            accs = self.train_and_test(pl_module, global_model.state_dict(), dm, client, test, self.epochs)
+            accs = self.train_and_test(pl_module, start, start.state_dict(), dm, client, test, self.epochs)
             for e, acc in zip(self.epochs, accs, strict=True):
                 per[f"ft{e}"].append(acc)
             if local_only:
-                acc = self.train_and_test(pl_module, self._initial_state, dm, client, test,
+                acc = self.train_and_test(pl_module, start, self._initial_states[client], dm, client, test,
                                           [self.local_only_epochs])
                 per["local_only"].append(acc[0])
         self.per_client = per
-        out = {"final/global_test_acc": self.accuracy(global_model, dm.test_dataloader(), pl_module.device)}
+        out = {f"final/{k}": v for k, v in pl_module.global_test_metrics(dm.test_dataloader).items()}
         for key, values in per.items():
             arr = np.asarray(values, dtype=np.float64)
             out[f"personal/{key}_acc_mean"] = float(arr.mean())
@@ -130,12 +136,12 @@ class PersonalizationCallback(L.Callback):
         self.results = out
         return out
 
-    def train_and_test(self, pl_module, start_state, dm, client: int, test,
+    def train_and_test(self, pl_module, like, start_state, dm, client: int, test,
                        checkpoints: list[int]) -> list[float]:
-        """Fine-tune a copy of the model from `start_state` on one client's train data; accuracy on
+        """Fine-tune a copy of `like` from `start_state` on one client's train data; accuracy on
         its test set after each epoch count in `checkpoints`."""
         device = pl_module.device
-        model = copy.deepcopy(pl_module.model)
+        model = copy.deepcopy(like)
         model.load_state_dict(start_state)
         teacher = copy.deepcopy(model).requires_grad_(False).eval()
         if self.finetune == "all":
@@ -185,5 +191,7 @@ class PersonalizationCallback(L.Callback):
             if k.endswith("_acc_mean"):
                 std = metrics[k.replace("_mean", "_std")]
                 parts.append(f"{k.removeprefix('personal/').removesuffix('_acc_mean')} {v:.4f}+-{std:.4f}")
-        rank_zero_info(f"round {round_idx + 1}: global test acc {metrics['final/global_test_acc']:.4f}; "
-                       f"personalised accuracy (mean+-std over clients): " + ", ".join(parts))
+        head = (f"global test acc {metrics['final/global_test_acc']:.4f}; "
+                if "final/global_test_acc" in metrics else "")
+        rank_zero_info(f"round {round_idx + 1}: {head}personalised accuracy (mean+-std over clients): "
+                       + ", ".join(parts))

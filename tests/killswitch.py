@@ -11,7 +11,7 @@ import fl_lightning.checkpointing as checkpointing
 
 
 class KillSwitch(L.Callback):
-    """`where`: "train" (after the round's 2nd local step), "eval" (during the global evaluation),
+    """`where`: "train" (after the round's first client trained), "eval" (during the global evaluation),
     "write" (inside the checkpoint write: the temporary file is half written, then the process
     dies before the rename). `round` is 1-based. `sig` is the signal's name."""
 
@@ -40,7 +40,9 @@ class KillSwitch(L.Callback):
         checkpointing.os.fsync = fsync_then_die
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        if self.where == "train" and self._this_round(trainer) and batch_idx == 1:
+        # one Trainer batch is one client: after the round's first client (the round and its
+        # checkpoint are not complete yet, even when that client was the round's only one)
+        if self.where == "train" and self._this_round(trainer) and batch_idx == 0:
             self._fire()
 
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:

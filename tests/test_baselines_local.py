@@ -158,7 +158,7 @@ class RecordingMOON(MOON):
         self.seen.append((client, params(self.prev_model)))
 
     def aggregate(self, uploads):
-        self.uploads.append({u.client: {k: v.cpu().clone() for k, v in u.tensors.items()} for u in uploads})
+        self.uploads.append({u.client: {k: v.cpu().clone() for k, v in u.weights.items()} for u in uploads})
         super().aggregate(uploads)
 
 

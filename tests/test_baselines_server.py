@@ -104,7 +104,8 @@ def test_scaffold_corrected_gradient_and_control_variates(momentum_correction):
 # ---- FedNova ----------------------------------------------------------------------------------
 class RecordingFedNova(FedNova):
     def aggregate(self, uploads):
-        sent = [(u.client, u.num_samples, {k: v.clone() for k, v in u.tensors.items()}) for u in uploads]
+        sent = [(u.client, u.num_samples, {k: v.clone() for k, v in u.weights.items()}, u.local_steps)
+                for u in uploads]
         self.recorded = ({k: v.clone() for k, v in self.global_params().items()}, sent)
         super().aggregate(uploads)
 
@@ -119,15 +120,15 @@ def test_fednova_normalised_averaging():
     wg, uploads = method.recorded
     a = {0: hand_effective_steps(2, MOM), 1: hand_effective_steps(4, MOM)}  # 2.9 and 9.049
     assert math.isclose(a[0], 2.9) and math.isclose(a[1], 9.049)
-    assert {c: float(t["fednova.tau"]) for c, _, t in uploads} == {0: 2.0, 1: 4.0}
+    assert {c: tau for c, _, _, tau in uploads} == {0: 2, 1: 4}
     p = {0: 4 / 12, 1: 8 / 12}
     tau_eff = p[0] * a[0] + p[1] * a[1]
     got = dict(method.model.named_parameters())
     fedavg_gap = 0.0
     for n, g in wg.items():
-        d = sum(p[c] * (g - t[n]) / a[c] for c, _, t in uploads)
+        d = sum(p[c] * (g - t[n]) / a[c] for c, _, t, _ in uploads)
         close(got[n].detach(), g - tau_eff * d)
-        fedavg = sum(p[c] * t[n] for c, _, t in uploads)
+        fedavg = sum(p[c] * t[n] for c, _, t, _ in uploads)
         fedavg_gap = max(fedavg_gap, float((got[n].detach() - fedavg).abs().max()))
     assert fedavg_gap > 1e-5  # different step counts: not plain FedAvg
 
@@ -191,7 +192,7 @@ class RecordingFedExP(FedExP):
         self.starts.append({k: v.clone() for k, v in self.global_weights.items()})
 
     def aggregate(self, uploads):
-        self.recorded = [(u.num_samples, {k: v.clone() for k, v in u.tensors.items()}) for u in uploads]
+        self.recorded = [(u.num_samples, {k: v.clone() for k, v in u.weights.items()}) for u in uploads]
         super().aggregate(uploads)
         self.reported.append({k: v.clone() for k, v in self.model.state_dict().items()})
 

@@ -45,9 +45,9 @@ def ce_grad(model, w: dict, x, y) -> dict:
 class RecordingDitto(Ditto):
     """Ditto that records every client's local batches and uploads."""
 
-    def training_step(self, batch, batch_idx):
+    def minibatch_step(self, batch):
         self.seen.setdefault(self.current_client, []).append((batch[0].clone(), batch[1].clone()))
-        return super().training_step(batch, batch_idx)
+        return super().minibatch_step(batch)
 
     def client_end(self):
         upload = super().client_end()
@@ -90,7 +90,7 @@ def test_ditto_personal_model_is_ce_plus_prox_sgd_from_the_global_model_and_glob
         assert_close_tensors(method.client_states[client], expected)
         # the prox term matters: without it v_k would be the client's FedAvg model
         assert not torch.allclose(method.client_states[client]["head.weight"],
-                                  method.sent[client].tensors["head.weight"], atol=1e-6)
+                                  method.sent[client].weights["head.weight"], atol=1e-6)
 
     torch.manual_seed(0)
     dm = two_clients()
@@ -104,7 +104,7 @@ def test_ditto_with_lambda_zero_personal_model_is_the_local_fedavg_model():
     """lam = 0: v_k takes the same steps from the same start as the global track."""
     method, _, _ = ditto_round(lam=0.0)
     for u in method.sent:
-        assert_close_tensors(method.client_states[u.client], u.tensors, atol=1e-7)
+        assert_close_tensors(method.client_states[u.client], u.weights, atol=1e-7)
 
 
 def test_ditto_uploads_only_the_global_track_model():
@@ -112,7 +112,7 @@ def test_ditto_uploads_only_the_global_track_model():
     model_keys = set(method.model.state_dict())
     assert len(method.sent) == 2
     for u in method.sent:
-        assert set(u.tensors) == model_keys  # exactly the model, no personal tensors
+        assert set(u.weights) == model_keys  # exactly the model, no personal tensors
         assert u.stats["personal_distance"] > 0
     # what stays on the client: v_k, on CPU
     assert set(method.client_states) == {0, 1}
@@ -166,9 +166,9 @@ def test_bad_options_fail_fast():
 
 # ---- Per-FedAvg -----------------------------------------------------------------------------------
 class RecordingPerFedAvg(PerFedAvg):
-    def training_step(self, batch, batch_idx):
+    def minibatch_step(self, batch):
         self.seen.append((batch[0].clone(), batch[1].clone()))
-        return super().training_step(batch, batch_idx)
+        return super().minibatch_step(batch)
 
 
 def perfedavg_one_step(variant, alpha, n=7):

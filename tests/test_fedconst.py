@@ -115,9 +115,9 @@ def test_fedavg_joint_constraints_hold_per_channel_and_after_aggregation():
     names = constrained_names(method.model)
     assert len(names) == 5  # 2 convs + 2 FC + head: every weight of the bias-free LeNet-5
     for u in uploads:
-        s, o = _max_residuals(u.tensors, w_g, names)
+        s, o = _max_residuals(u.weights, w_g, names)
         assert s < TOL and o < TOL, (s, o)
-        assert max(float((u.tensors[n] - w_g[n]).abs().max()) for n in names) > 1e-3  # it did train
+        assert max(float((u.weights[n] - w_g[n]).abs().max()) for n in names) > 1e-3  # it did train
     s, o = _max_residuals(method.model.state_dict(), w_g, names)  # the aggregated global model
     assert s < TOL and o < TOL, (s, o)
 
@@ -125,7 +125,7 @@ def test_fedavg_joint_constraints_hold_per_channel_and_after_aggregation():
 def test_without_constraint_the_residuals_are_large():
     """Guards the test above: unconstrained local training violates both constraints."""
     method, w_g, uploads = _run(FedAvg, "none")
-    s, o = _max_residuals(uploads[0].tensors, w_g, constrained_names(method.model))
+    s, o = _max_residuals(uploads[0].weights, w_g, constrained_names(method.model))
     assert s > 1e-3 and o > 1e-3
 
 
@@ -133,7 +133,7 @@ def test_sequential_keeps_orthogonality_but_sum_drifts():
     method, w_g, uploads = _run(FedAvg, "sequential")
     names = constrained_names(method.model)
     for u in uploads:
-        s, o = _max_residuals(u.tensors, w_g, names)
+        s, o = _max_residuals(u.weights, w_g, names)
         assert o < TOL, o
         # Algorithm 1 (centre, then project on w_g's complement) leaves 1^T Delta != 0
         assert s > 1e-4, s
@@ -142,8 +142,8 @@ def test_sequential_keeps_orthogonality_but_sum_drifts():
 def test_composes_with_fedsol():
     method, w_g, uploads = _run(FedSOL, "joint", perturb="all", adaptive="none", rho=0.5)
     names = constrained_names(method.model)
-    for u in uploads + [type("G", (), {"tensors": method.model.state_dict()})]:
-        s, o = _max_residuals(u.tensors, w_g, names)
+    for u in uploads + [type("G", (), {"weights": method.model.state_dict()})]:
+        s, o = _max_residuals(u.weights, w_g, names)
         assert s < TOL and o < TOL, (s, o)
 
 
@@ -248,7 +248,7 @@ def test_float64_training_keeps_the_constraints_to_1e_12():
     fit(method, dm, precision="64-true")
     names = constrained_names(method.model)
     assert method.model.body[0].weight.dtype == torch.float64
-    for weights in [u.tensors for u in uploads] + [method.model.state_dict()]:
+    for weights in [u.weights for u in uploads] + [method.model.state_dict()]:
         for n in names:
             wg, delta = rows(w_g[n]), rows(weights[n]) - rows(w_g[n])
             assert weights[n].dtype == torch.float64

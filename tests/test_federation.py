@@ -5,8 +5,8 @@ import torch
 from fl_test_utils import fit, register_tensors, toy_data
 
 from fl_lightning.data.datamodule import FederatedDataModule, sample_clients
-from fl_lightning.federation import ClientUpload, weighted_average
 from fl_lightning.methods import FedAvg
+from fl_lightning.uploads import ClientUpload, weighted_average
 
 
 def test_weighted_average_equals_hand_computation():
@@ -56,15 +56,34 @@ def test_round_plan_covers_local_epochs_and_batches():
     dm.setup()
     plan = dm.plan_round(2)
     assert [c.client for c in plan.clients] == sample_clients(4, 0.5, 0, 2)
-    assert all(c.num_batches == 3 * int(np.ceil(c.num_samples / 4)) for c in plan.clients)
-    from fl_lightning.data.datamodule import RoundBatchSampler
+    assert all(c.num_steps == 3 * int(np.ceil(c.num_samples / 4)) for c in plan.clients)
+    for work in plan.clients:
+        batches = work.batches
+        assert all(1 <= len(b) <= 4 for b in batches)
+        # every local epoch is one full pass over the client's own data, in a seeded order
+        per_epoch = len(batches) // 3
+        for e in range(3):
+            seen = np.concatenate(batches[e * per_epoch : (e + 1) * per_epoch])
+            assert sorted(seen.tolist()) == dm.client_parts[work.client].tolist()
+            expected = np.random.default_rng([0, 2, work.client, e]).permutation(dm.client_parts[work.client])
+            assert seen.tolist() == expected.tolist()
 
-    batches = list(RoundBatchSampler(dm.client_parts, plan, 3, 4, seed=0))
-    assert len(batches) == plan.num_batches
-    first = plan.clients[0]
-    seen = np.concatenate(batches[: first.num_batches])
-    # every local epoch is one full pass over the client's own data
-    assert sorted(seen.tolist()) == sorted(np.tile(dm.client_parts[first.client], 3).tolist())
+
+def test_one_trainer_batch_is_one_client_with_its_minibatches_sliced_on_the_device():
+    """The round's dataloader has one item per sampled client, and the client's mini-batches are
+    exactly the samples its seeded order names."""
+    x, y = toy_data(n=40, size=4)
+    dm = FederatedDataModule(dataset=register_tensors(x, y), num_clients=4, sample_ratio=0.5, local_epochs=2,
+                             batch_size=3, partition="iid", min_size=1)
+    method = FedAvg(model="mlp", data_spec=dm.spec)
+    trainer = fit(method, dm, rounds=1)
+    assert trainer.num_training_batches == 2  # clients, not local steps
+    plan = dm.round_plan
+    for work in plan.clients:
+        got = list(dm.minibatches(work))
+        assert len(got) == len(work.batches)
+        for (xb, yb), idx in zip(got, work.batches, strict=True):
+            assert torch.equal(xb, x[idx]) and torch.equal(yb, y[idx])
 
 
 def test_fit_runs_every_sampled_client_and_resets_momentum(monkeypatch):
@@ -113,3 +132,63 @@ def test_method_and_data_options_of_the_same_name_are_both_logged():
     (params,) = recorder.logged
     assert params["alpha"] == 0.05 and params["data"]["alpha"] == 0.3
     assert params["data"]["partition"] == "dirichlet"
+
+
+def test_direct_steps_equal_lightning_wrapped_steps_and_count_every_step():
+    """Without per-step listeners the local step bypasses Lightning's backward/step wrappers; a
+    callback that listens to a per-step hook gets the wrapped path, called on every local step.
+    Both give the same weights and the same global_step (= all local steps taken)."""
+    import lightning as L
+
+    class CountsBackward(L.Callback):
+        def __init__(self):
+            self.calls = 0
+
+        def on_after_backward(self, trainer, pl_module):
+            self.calls += 1
+
+    results = []
+    for listener in (None, CountsBackward()):
+        x, y = toy_data(n=30, size=4)
+        dm = FederatedDataModule(dataset=register_tensors(x, y), num_clients=3, sample_ratio=1.0, local_epochs=2,
+                                 batch_size=4, partition="iid", min_size=1)
+        torch.manual_seed(0)
+        method = FedAvg(model="mlp", data_spec=dm.spec)
+        trainer = fit(method, dm, rounds=2, callbacks=[listener] if listener else [])
+        steps = sum(w.num_steps for r in range(2) for w in dm.plan_round(r).clients)
+        assert method._direct_steps is (listener is None)
+        assert trainer.global_step == steps
+        if listener is not None:
+            assert listener.calls == steps
+        results.append({k: v.clone() for k, v in method.model.state_dict().items()})
+    for k in results[0]:
+        assert torch.equal(results[0][k], results[1][k]), k
+
+
+def test_average_is_a_reducible_weighted_sum_plus_a_finishing_step():
+    """Partial weighted sums (as different processes would hold) add up to the average."""
+    from fl_lightning.uploads import finish_average, weighted_sum
+
+    g = torch.Generator().manual_seed(0)
+    ups = [{"w": torch.randn(5, generator=g), "n": torch.tensor(i)} for i in range(4)]
+    weights = [3.0, 1.0, 2.0, 4.0]
+    coef = [w / sum(weights) for w in weights]
+    first, second = weighted_sum(ups[:2], coef[:2]), weighted_sum(ups[2:], coef[2:])
+    reduced = finish_average({"w": first["w"] + second["w"], "n": first["n"]}, ups[0])
+    expected = weighted_average(ups, weights)
+    torch.testing.assert_close(reduced["w"], expected["w"])
+    torch.testing.assert_close(expected["w"], sum(c * u["w"] for c, u in zip(coef, ups, strict=True)))
+    assert int(reduced["n"]) == int(expected["n"]) == 0
+
+
+def test_every_typed_field_of_an_upload_is_checked_for_finiteness():
+    from fl_lightning.uploads import all_finite
+
+    ok = ClientUpload(0, 1, {"w": torch.ones(2)}, control_delta={"w": torch.zeros(2)},
+                      prototypes={3: torch.ones(4)}, label_counts=torch.ones(3), local_steps=2)
+    assert all_finite(ok)
+    for field, value in [("control_delta", {"w": torch.tensor([float("nan"), 0.0])}),
+                         ("prototypes", {1: torch.tensor([float("inf")])}),
+                         ("label_counts", torch.tensor([float("nan")]))]:
+        bad = ClientUpload(0, 1, {"w": torch.ones(2)}, **{field: value})
+        assert not all_finite(bad), field

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from fl_test_utils import fit, fixed_parts_module, toy_data
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from fl_lightning.federation import ClientUpload
 from fl_lightning.methods import FedGen
-from fl_lightning.methods.fedgen import LABEL_COUNTS, diversity_loss
+from fl_lightning.methods.fedgen import diversity_loss
+from fl_lightning.uploads import ClientUpload
 
 NOISE_DIM = 8
 
@@ -40,14 +40,15 @@ def test_upload_is_the_head_and_label_counts_and_heads_are_averaged_by_samples()
     method, uploads = _fedgen(dm)
     assert not bool(method.generator_trained)
     fit(method, dm, rounds=1)
-    assert all(set(u.tensors) == {"head.weight", "head.bias", LABEL_COUNTS} for u in uploads)
+    assert all(set(u.weights) == {"head.weight", "head.bias"} and not u.prototypes and not u.control_delta
+               for u in uploads)
     for u in uploads:
         expected = np.bincount(y.numpy()[dm.client_parts[u.client]], minlength=3)
-        assert u.tensors[LABEL_COUNTS].tolist() == expected.tolist()
+        assert u.label_counts.tolist() == expected.tolist()
         assert method.client_label_counts[u.client].tolist() == expected.tolist()
     n = [u.num_samples for u in uploads]
     for key in ("weight", "bias"):
-        expected = sum(u.tensors[f"head.{key}"] * w for u, w in zip(uploads, n, strict=True)) / sum(n)
+        expected = sum(u.weights[f"head.{key}"] * w for u, w in zip(uploads, n, strict=True)) / sum(n)
         for model in method.client_models:
             torch.testing.assert_close(getattr(model.head, key).detach(), expected)
     assert bool(method.generator_trained)
@@ -60,8 +61,7 @@ def _hand_made_uploads(num_classes=3, k=16):
         ClientUpload(c, int(counts[c].sum()), {
             "head.weight": torch.randn(num_classes, k, generator=g),
             "head.bias": torch.randn(num_classes, generator=g),
-            LABEL_COUNTS: counts[c],
-        })
+        }, label_counts=counts[c])
         for c in range(2)
     ]
 
@@ -77,7 +77,7 @@ def test_one_generator_step_is_adam_on_the_per_label_weighted_ensemble_ce():
 
     # the same draws: labels from the uploads' label distribution, then uniform noise
     rng = torch.Generator().manual_seed(method.server_seed())
-    counts = torch.stack([u.tensors[LABEL_COUNTS] for u in uploads])
+    counts = torch.stack([u.label_counts for u in uploads])
     labels = torch.multinomial(counts.sum(0), 10, replacement=True, generator=rng)
     noise = torch.rand(10, NOISE_DIM, generator=rng)
     reference.train()
@@ -87,8 +87,8 @@ def test_one_generator_step_is_adam_on_the_per_label_weighted_ensemble_ce():
         c = int(labels[b])
         row = 0
         for u in uploads:
-            w = u.tensors[LABEL_COUNTS][c] / counts[:, c].sum()
-            row = row + w * (u.tensors["head.weight"] @ feats[b] + u.tensors["head.bias"])
+            w = u.label_counts[c] / counts[:, c].sum()
+            row = row + w * (u.weights["head.weight"] @ feats[b] + u.weights["head.bias"])
         logits.append(row)
     loss = F.cross_entropy(torch.stack(logits), labels)
     opt = torch.optim.Adam(reference.parameters(), lr=0.01)
@@ -108,7 +108,7 @@ def test_sample_weighting_gives_every_label_the_clients_sample_shares():
     dm, *_ = _datamodule()
     method, _ = _fedgen(dm)
     uploads = _hand_made_uploads()
-    counts = torch.stack([u.tensors[LABEL_COUNTS] for u in uploads])
+    counts = torch.stack([u.label_counts for u in uploads])
     w = method.teacher_weights(uploads, counts)
     torch.testing.assert_close(w, torch.tensor([[8 / 15] * 3, [7 / 15] * 3]))
     method.hparams.teacher_weighting = "label_counts"
@@ -121,7 +121,7 @@ def test_training_the_generator_makes_the_ensemble_recognise_its_features():
     method, _ = _fedgen(dm, server_steps=150, server_batch_size=32)
     method.round_idx = 0
     uploads = _hand_made_uploads()
-    heads = [(u.tensors["head.weight"], u.tensors["head.bias"]) for u in uploads]
+    heads = [(u.weights["head.weight"], u.weights["head.bias"]) for u in uploads]
     labels = torch.arange(3).repeat(20)
     noise = torch.rand(60, NOISE_DIM, generator=torch.Generator().manual_seed(5))
 
@@ -153,7 +153,7 @@ def test_local_loss_is_plain_ce_first_then_adds_ce_on_generated_features():
     model = method.client_models[1]
     method.model = model
     torch.testing.assert_close(method.local_loss((xb, yb)), F.cross_entropy(model(xb), yb))
-    method.model = method._placeholder
+    method.model = None
 
     fit(method, dm, rounds=1)
     method.train()  # as Lightning leaves the module during local training
@@ -169,7 +169,7 @@ def test_local_loss_is_plain_ce_first_then_adds_ce_on_generated_features():
         generated = method.generator(labels, noise)
     expected = F.cross_entropy(model(xb), yb) + 0.7 * F.cross_entropy(model.head(generated), labels)
     torch.testing.assert_close(loss, expected)
-    method.model = method._placeholder
+    method.model = None
 
 
 def test_resume_restores_generator_label_counts_and_client_models(tmp_path):

@@ -11,7 +11,6 @@ from fl_test_utils import fit, one_client_module, toy_data
 
 from fl_lightning.methods import FedORGP
 from fl_lightning.methods.prototypes import (
-    PROTO_PREFIX,
     TrainablePrototypes,
     orthogonality_loss,
     separation,
@@ -106,13 +105,14 @@ def test_upload_is_the_class_prototypes_and_nothing_else():
     method.aggregate = lambda ups: (uploads.extend(ups), aggregate(ups))
     fit(method, dm, rounds=1)
     (upload,) = uploads
-    assert set(upload.tensors) == {f"{PROTO_PREFIX}{c}" for c in torch.unique(y).tolist()}
+    assert set(upload.prototypes) == set(torch.unique(y).tolist())
+    assert not upload.weights and not upload.control_delta and upload.label_counts is None
     model = method.client_models[0].eval()
     with torch.no_grad():
         feats = model.features(x)
     for c in torch.unique(y).tolist():
         torch.testing.assert_close(
-            upload.tensors[f"{PROTO_PREFIX}{c}"], feats[y == c].mean(0), atol=1e-6, rtol=1e-5
+            upload.prototypes[c], feats[y == c].mean(0), atol=1e-6, rtol=1e-5
         )
     # the server's global prototypes are the trainable module's outputs, for every class
     torch.testing.assert_close(method.global_protos, method.prototypes().detach())
@@ -128,5 +128,5 @@ def test_without_or_the_global_prototypes_are_the_plain_mean():
     method.aggregate = lambda ups: (uploads.extend(ups), aggregate(ups))
     fit(method, dm, rounds=1)
     for c in range(3):
-        ps = [u.tensors[f"{PROTO_PREFIX}{c}"] for u in uploads if f"{PROTO_PREFIX}{c}" in u.tensors]
+        ps = [u.prototypes[c] for u in uploads if c in u.prototypes]
         torch.testing.assert_close(method.global_protos[c], torch.stack(ps).mean(0))

@@ -9,7 +9,7 @@ from fl_test_utils import fit, one_client_module, toy_data
 
 from fl_lightning.methods import FML, FedGH, FedKD, FedProto, FedTGP, LGFedAvg
 from fl_lightning.methods.mutual import compress_state, decompress_state, svd_compress
-from fl_lightning.methods.prototypes import PROTO_PREFIX, margin_contrastive_loss
+from fl_lightning.methods.prototypes import margin_contrastive_loss
 
 
 def _two_clients(cls, n=24, **kw):
@@ -32,11 +32,11 @@ def test_lg_fedavg_averages_heads_by_samples_and_sends_them_to_everyone():
     heads0 = [copy.deepcopy(m.head.state_dict()) for m in method.client_models]
     torch.testing.assert_close(heads0[0], heads0[1])  # one shared initial head
     fit(method, dm, rounds=1)
-    assert all(set(u.tensors) == {"head.weight", "head.bias"} for u in uploads)
+    assert all(set(u.weights) == {"head.weight", "head.bias"} for u in uploads)
     n = [u.num_samples for u in uploads]
     assert n == [len(p) for p in dm.client_parts]
     for key in ("weight", "bias"):
-        expected = sum(u.tensors[f"head.{key}"] * w for u, w in zip(uploads, n, strict=True)) / sum(n)
+        expected = sum(u.weights[f"head.{key}"] * w for u, w in zip(uploads, n, strict=True)) / sum(n)
         for model in method.client_models:
             torch.testing.assert_close(getattr(model.head, key).detach(), expected)
 
@@ -45,9 +45,9 @@ def test_fedgh_trains_the_global_head_on_prototypes():
     method, dm, x, y, uploads = _two_clients(FedGH, server_epochs=20, server_lr=0.5)
     head0 = copy.deepcopy(method.global_head)
     fit(method, dm, rounds=1)
-    assert all(k.startswith(PROTO_PREFIX) for u in uploads for k in u.tensors)
-    protos = torch.stack([p for u in uploads for p in u.tensors.values()])
-    labels = torch.tensor([int(k[len(PROTO_PREFIX) :]) for u in uploads for k in u.tensors])
+    assert all(u.prototypes and not u.weights for u in uploads)
+    protos = torch.stack([p for u in uploads for p in u.prototypes.values()])
+    labels = torch.tensor([c for u in uploads for c in u.prototypes])
     with torch.no_grad():
         before = F.cross_entropy(head0(protos), labels)
         after = F.cross_entropy(method.global_head(protos), labels)
@@ -60,7 +60,7 @@ def test_fedproto_mean_prototypes_mse_loss_and_nearest_prototype_prediction():
     method, dm, x, y, uploads = _two_clients(FedProto, lam=2.0, lr=0.1)
     fit(method, dm, rounds=1)
     for c in range(3):
-        ps = [u.tensors[f"{PROTO_PREFIX}{c}"] for u in uploads if f"{PROTO_PREFIX}{c}" in u.tensors]
+        ps = [u.prototypes[c] for u in uploads if c in u.prototypes]
         torch.testing.assert_close(method.global_protos[c], torch.stack(ps).mean(0))  # unweighted
     # local loss of round 2: CE + lam * MSE(f, P^y)
     model = method.client_models[0]
@@ -73,7 +73,7 @@ def test_fedproto_mean_prototypes_mse_loss_and_nearest_prototype_prediction():
     logits = method.predict_logits(xb)
     nearest = torch.cdist(feats, method.global_protos).argmin(1)
     assert torch.equal(logits.argmax(1), nearest)
-    method.model = method._placeholder
+    method.model = None
 
 
 def test_fedtgp_margin_loss_and_adaptive_margin():
@@ -109,7 +109,7 @@ def test_fml_local_loss_is_the_mutual_distillation_formula():
         0.6 * F.cross_entropy(zg, yb) + 0.4 * kl(zg, z)
     )
     torch.testing.assert_close(method.local_loss((xb, yb)), expected)
-    method.model = method._placeholder
+    method.model = None
 
 
 def test_fml_shared_model_is_the_sample_weighted_average():
@@ -117,7 +117,7 @@ def test_fml_shared_model_is_the_sample_weighted_average():
     fit(method, dm, rounds=1)
     n = [u.num_samples for u in uploads]
     for k, v in method.global_shared.state_dict().items():
-        expected = sum(u.tensors[f"shared.{k}"] * w for u, w in zip(uploads, n, strict=True)) / sum(n)
+        expected = sum(u.weights[f"shared.{k}"] * w for u, w in zip(uploads, n, strict=True)) / sum(n)
         torch.testing.assert_close(v, expected)
 
 
@@ -140,9 +140,9 @@ def test_fedkd_uploads_compressed_shared_model_and_keeps_w_h_local():
     method, dm, x, y, uploads = _two_clients(FedKD)
     fit(method, dm, rounds=1)
     for u in uploads:
-        assert all(k.startswith("shared.") for k in u.tensors)
-        assert any(k.endswith(".U") for k in u.tensors)  # matrices travel as SVD factors
-        assert not any("W_h" in k for k in u.tensors)
+        assert all(k.startswith("shared.") for k in u.weights)
+        assert any(k.endswith(".U") for k in u.weights)  # matrices travel as SVD factors
+        assert not any("W_h" in k for k in u.weights)
     assert set(method.client_states) == {0, 1}
     w0, w1 = (method.client_states[c]["weight"] for c in (0, 1))
     assert not torch.equal(w0, w1)  # each client has its own W_h

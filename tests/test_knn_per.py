@@ -224,7 +224,7 @@ def _record_uploads(method):
     real = method.aggregate
 
     def spy(uploads):
-        seen.extend((sorted(u.tensors), sorted(u.stats)) for u in uploads)
+        seen.extend((sorted(u.weights), sorted(u.stats)) for u in uploads)
         return real(uploads)
 
     method.aggregate = spy

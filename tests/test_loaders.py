@@ -16,6 +16,17 @@ from fl_lightning.errors import FLUserError
 RNG = np.random.default_rng(0)
 
 
+def assert_tensors_equal_samples(ds):
+    """The in-memory form (sliced on the device in training) is bit-identical to the per-sample
+    transform pipeline (ToTensor + Normalize) of the same dataset."""
+    tensors = ds.tensors()
+    assert tensors is not None and not tensors.augment
+    x, y = tensors.batch(torch.arange(len(ds)))
+    for i in range(len(ds)):
+        xi, yi = ds[i]
+        assert torch.equal(x[i], xi) and int(y[i]) == yi
+
+
 def md5(path):
     return hashlib.md5(path.read_bytes()).hexdigest()
 
@@ -41,6 +52,8 @@ def test_mnist_idx_files(tmp_path):
     x, y = train[0]
     assert x.shape == (1, 28, 28) and y == 0
     assert float(x[0, 0, 0]) == pytest.approx(expected_pixel(first_pixel, "mnist"), abs=1e-5)
+    assert_tensors_equal_samples(train)
+    assert_tensors_equal_samples(test)
 
 
 def _cifar_batch(path, n, labels_key="labels"):
@@ -78,6 +91,8 @@ def test_cifar10_pickled_batches(tmp_path, monkeypatch):
     # CIFAR rows are channel-major: the first 1024 bytes are the red plane
     assert float(x[0, 0, 0]) == pytest.approx(expected_pixel(first[0, 0], "cifar10"), abs=1e-5)
     assert float(x[1, 0, 0]) == pytest.approx(expected_pixel(first[0, 1024], "cifar10", 1), abs=1e-5)
+    assert_tensors_equal_samples(train)
+    assert_tensors_equal_samples(test)
 
 
 def test_cifar10_augmentation_keeps_shape(tmp_path, monkeypatch):
@@ -87,6 +102,7 @@ def test_cifar10_augmentation_keeps_shape(tmp_path, monkeypatch):
     crops = {tuple(train[0][0].flatten()[:50].tolist()) for _ in range(8)}
     assert len(crops) > 1  # random crop / flip on train
     assert len({tuple(test[0][0].flatten()[:50].tolist()) for _ in range(3)}) == 1  # none on test
+    assert train.tensors().augment and not test.tensors().augment  # on-device crop + flip (test_tensors.py)
 
 
 def test_svhn_mat_files(tmp_path, monkeypatch):
@@ -104,6 +120,7 @@ def test_svhn_mat_files(tmp_path, monkeypatch):
     train, test = load_dataset("svhn", tmp_path, download=False)
     assert len(train) == 5 and list(train.labels) == [0, 1, 2, 3, 4]
     assert train[0][0].shape == (3, 32, 32)
+    assert_tensors_equal_samples(train)
 
 
 def test_medmnist_npz(tmp_path):
@@ -118,11 +135,13 @@ def test_medmnist_npz(tmp_path):
     x, y = train[1]
     assert x.shape == (3, 28, 28) and isinstance(y, int) and y == 1
     assert float(x[0, 0, 0]) == pytest.approx((arrays["train_images"][1, 0, 0, 0] / 255 - 0.5) / 0.5, abs=1e-5)
+    assert_tensors_equal_samples(train)
     # grey-scale TissueMNIST is stored without a channel axis
     grey = {k: (v[..., 0] if k.endswith("images") else v) for k, v in arrays.items()}
     np.savez(tmp_path / "tissuemnist.npz", **grey)
     train, _ = load_dataset("tissuemnist", tmp_path, download=False)
     assert train[0][0].shape == (1, 28, 28)
+    assert_tensors_equal_samples(train)
 
 
 def test_cinic10_image_folder(tmp_path):
@@ -136,6 +155,7 @@ def test_cinic10_image_folder(tmp_path):
     train, test = load_dataset("cinic10", tmp_path, download=False, augment=False)
     assert len(train) == 2 and sorted(train.labels.tolist()) == [0, 1]
     assert train[0][0].shape == (3, 32, 32)
+    assert train.tensors() is None  # image folders are decoded in a DataLoader, not held in memory
 
 
 @pytest.mark.parametrize("name, needle", [("cifar10", "cifar-10-batches-py"), ("svhn", "train_32x32.mat"),

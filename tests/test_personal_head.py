@@ -143,10 +143,10 @@ def test_upload_is_body_only_global_head_fixed_heads_personal(cls):
         assert [u.client for u in uploads] == [0, 1, 2]
         assert [u.num_samples for u in uploads] == [14, 13, 13]
         for u in uploads:
-            assert set(u.tensors) == BODY  # the head never leaves the client
+            assert set(u.weights) == BODY  # the head never leaves the client
     # the last round's global body is the sample-weighted average of the uploaded bodies
     last = method.uploads[-1]
-    expected = {k: sum(u.num_samples * u.tensors[k] for u in last) / 40 for k in BODY}
+    expected = {k: sum(u.num_samples * u.weights[k] for u in last) / 40 for k in BODY}
     close(part(method.model.state_dict(), BODY), expected)
     assert not torch.equal(method.model.body[1].weight, w0["body.1.weight"])
     assert_same_tensors(part(method.model.state_dict(), HEAD), part(w0, HEAD))  # bit for bit

@@ -155,3 +155,23 @@ def test_a_methods_own_personal_models_are_tested_on_each_clients_test_set():
     assert pers.per_client["own"] == pytest.approx(expected)
     assert pers.results["personal/own_acc_mean"] == pytest.approx(np.mean(expected))
     assert "personal/own_acc_mean" not in PersonalizationCallback(enabled=True).results
+
+
+def test_personalised_evaluation_of_a_heterogeneous_method_starts_from_each_clients_own_model():
+    """The same callback serves both method families: a model-heterogeneous method fine-tunes
+    each client's own model (which stays untouched) and reports no global-model accuracy."""
+    from fl_lightning.methods import FedProto
+
+    torch.manual_seed(0)
+    dm = _shard_module(client_test="split", client_test_fraction=0.25)
+    method = FedProto(model="mlp", feature_dim=8, lr=0.1, data_spec=dm.spec)
+    cb = PersonalizationCallback(enabled=True, epochs=[0, 2], local_only=True, local_only_epochs=1)
+    trainer = fit(method, dm, rounds=1, callbacks=[cb])
+    before = [params(m) for m in method.client_models]
+    res = cb.evaluate(trainer, method, local_only=True)
+    assert "final/global_test_acc" not in res
+    for c, model in enumerate(method.client_models):
+        assert all(torch.equal(before[c][k], v) for k, v in params(model).items())
+        own = cb.accuracy(model, dm.client_loader(c, "test"), method.device)
+        assert cb.per_client["global"][c] == cb.per_client["ft0"][c] == own
+    assert len(cb.per_client["local_only"]) == 4

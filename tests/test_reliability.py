@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from fl_lightning.checkpointing import completed_rounds
+from fl_lightning.client_store import read_client_states
 from fl_lightning.results import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,7 +72,8 @@ def assert_same_run(a: Path, b: Path) -> None:
     assert sa["state_dict"].keys() == sb["state_dict"].keys()
     for key in sa["state_dict"]:
         assert torch.equal(sa["state_dict"][key], sb["state_dict"][key]), key
-    clients_a, clients_b = sa.get("fl_client_states", {}), sb.get("fl_client_states", {})
+    clients_a = read_client_states(sa.get("fl_client_states", {}))
+    clients_b = read_client_states(sb.get("fl_client_states", {}))
     assert clients_a.keys() == clients_b.keys()
     for client in clients_a:
         for key in clients_a[client]:

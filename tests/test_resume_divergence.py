@@ -79,7 +79,7 @@ class PoisonedFedAvg(FedAvg):
     def client_end(self):
         upload = super().client_end()
         if upload.client == 1:
-            upload.tensors["head.bias"] = torch.full_like(upload.tensors["head.bias"], float("nan"))
+            upload.weights["head.bias"] = torch.full_like(upload.weights["head.bias"], float("nan"))
         self.sent.append(upload)
         return upload
 
@@ -207,7 +207,7 @@ class PoisonedLateDitto(Ditto):
     def client_end(self):
         upload = super().client_end()
         if upload.client == 1 and self.round_idx >= 2:
-            upload.tensors["head.bias"] = torch.full_like(upload.tensors["head.bias"], float("nan"))
+            upload.weights["head.bias"] = torch.full_like(upload.weights["head.bias"], float("nan"))
         return upload
 
 

@@ -44,6 +44,14 @@ from fl_lightning.federation import FederatedCallback
 SURFACE_KINDS = (*DIRECTION_KINDS, "none")
 
 
+
+def has_global_model(pl_module) -> bool:
+    """Shared-model methods are analysed through their global model; model-heterogeneous ones
+    (HeteroMethod, one model per client) through their clients' models."""
+    from fl_lightning.methods.hetero_base import HeteroMethod
+
+    return not isinstance(pl_module, HeteroMethod)
+
 class AnalysisCallback(L.Callback):
     """Loss landscapes, Hessian spectrum, client divergence and the partition.
 
@@ -120,7 +128,7 @@ class AnalysisCallback(L.Callback):
             self.log_partition(trainer)
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        if self.divergence and pl_module.has_global_model:
+        if self.divergence and has_global_model(pl_module):
             self._round_start = {n: p.detach().clone() for n, p in pl_module.model.named_parameters()}
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
@@ -152,7 +160,7 @@ class AnalysisCallback(L.Callback):
     # ---- models to analyse --------------------------------------------------------------------
     def models(self, pl_module) -> list[tuple[str, torch.nn.Module]]:
         """("", the global model), or for model-heterogeneous methods ("client_k/", client k's model)."""
-        if pl_module.has_global_model:
+        if has_global_model(pl_module):
             return [("", pl_module.model)]
         clients = getattr(pl_module, "client_models", [])
         chosen = list(range(min(self.max_client_models, len(clients))))
@@ -196,14 +204,14 @@ class AnalysisCallback(L.Callback):
     # ---- the every-round statistics -----------------------------------------------------------
     @torch.no_grad()
     def round_divergence(self, trainer, pl_module, round_no: int, files: dict) -> dict[str, float]:
-        if not pl_module.has_global_model:
+        if not has_global_model(pl_module):
             self._once("divergence statistics need a global model; skipped for "
                        f"{type(pl_module).__name__} (model-heterogeneous)")
             return {}
         federation = _federation(trainer)
         uploads = federation.round_uploads if federation is not None else []
         out: dict[str, float] = {}
-        updates = client_updates([u.tensors for u in uploads], self._round_start or {})
+        updates = client_updates([u.weights for u in uploads], self._round_start or {})
         if updates is not None:
             out.update(divergence_stats(updates))
         num_classes = pl_module.hparams.data_spec.num_classes
@@ -222,13 +230,13 @@ class AnalysisCallback(L.Callback):
         if not (every and (round_no % every == 0 or round_no == trainer.max_epochs)):
             return out
         keys = set(model.state_dict())
-        full = [u for u in uploads if keys <= set(u.tensors)]
+        full = [u for u in uploads if keys <= set(u.weights)]
         if not full:
             if uploads:
                 self._once("uploads do not carry whole local models: no local class-wise accuracy")
             return out
         # uploads may carry more than the model (SCAFFOLD's control variates): only the model's keys
-        local = torch.stack([classwise_accuracy(_scores(model, {k: u.tensors[k] for k in keys}, x, self.chunk_size),
+        local = torch.stack([classwise_accuracy(_scores(model, {k: u.weights[k] for k in keys}, x, self.chunk_size),
                                                 y, num_classes) for u in full])
         out["local_class_acc_mean"] = float(np.nanmean(local.numpy()))
         files["classwise_local"] = {"clients": [u.client for u in full], "acc": local.tolist(),

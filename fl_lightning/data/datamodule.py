@@ -1,14 +1,18 @@
 """The federated DataModule: a dataset, its partition over clients, and one round's batches.
 
-One Trainer epoch is one communication round, so the training dataloader of epoch r yields, in
-order, every local step of every client sampled in round r: client after client, each for its
-`local_epochs` passes over its own data. Lightning rebuilds it each epoch
-(`reload_dataloaders_every_n_epochs=1`), and the federated callback reads the same `RoundPlan` to
-know where one client's batches end and the next one's begin.
+One Trainer epoch is one communication round and one Trainer batch is one client: the training
+dataloader of epoch r yields one `ClientWork` per client sampled in round r (its id, and the
+sample indices of each of its local steps in their seeded order), and the method's
+`training_step` runs that client's whole local training. Lightning rebuilds the loader each epoch
+(`reload_dataloaders_every_n_epochs=1`), so its per-batch machinery is paid once per client.
+
+Datasets that fit in memory are held as tensors on the training device (data/tensors.py) and
+each local mini-batch is sliced there; image folders are decoded in a DataLoader per client.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -16,10 +20,11 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.fabric.utilities.data import AttributeDict
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset
+from torch.utils.data import DataLoader, Dataset, Subset
 
 from fl_lightning.data import partition as partitioners
 from fl_lightning.data.datasets import AUGMENTED_DATASETS, DataSpec, LabelledDataset, load_dataset, spec_of
+from fl_lightning.data.tensors import TensorImages, client_generator
 from fl_lightning.errors import FLUserError
 
 
@@ -31,51 +36,90 @@ def sample_clients(num_clients: int, sample_ratio: float, seed: int, round_idx: 
     return sorted(int(c) for c in rng.choice(num_clients, size=k, replace=False))
 
 
-@dataclass(frozen=True)
-class ClientSteps:
+@dataclass(frozen=True, eq=False)
+class ClientWork:
+    """One Trainer batch: everything a sampled client needs to run its local training.
+
+    `orders` holds one permutation of the client's sample indices per local epoch, seeded by
+    (seed, round, client, epoch); each is cut into mini-batches of `batch_size` (the last one of an
+    epoch may be smaller). They are whole batches; on several devices each rank takes its share
+    when it loads them.
+    """
+
+    round: int
     client: int
     num_samples: int
-    first_batch: int  # index of the client's first batch within the round
-    num_batches: int
+    orders: tuple[np.ndarray, ...]
+    batch_size: int
+
+    @property
+    def batches(self) -> list[np.ndarray]:
+        """The sample indices of each local step, in order."""
+        b = self.batch_size
+        return [order[s : s + b] for order in self.orders for s in range(0, len(order), b)]
+
+    @property
+    def num_steps(self) -> int:
+        return sum(-(-len(order) // self.batch_size) for order in self.orders)
 
 
 @dataclass(frozen=True)
 class RoundPlan:
     round: int
-    clients: tuple[ClientSteps, ...]
+    clients: tuple[ClientWork, ...]
 
     @property
-    def num_batches(self) -> int:
-        return sum(c.num_batches for c in self.clients)
+    def num_steps(self) -> int:
+        return sum(c.num_steps for c in self.clients)
 
 
-class RoundBatchSampler(Sampler[list[int]]):
-    """Yields each sampled client's batches for all its local epochs; each local epoch reshuffles
-    with a seed derived from (seed, round, client, epoch). On several devices every batch is
-    split across ranks (data parallelism inside a client), so each rank runs the same clients."""
+def client_orders(indices: np.ndarray, seed: int, round_idx: int, client: int,
+                  local_epochs: int) -> tuple[np.ndarray, ...]:
+    """Each local epoch reshuffles the client's indices with a seed of (seed, round, client, epoch)."""
+    return tuple(np.random.default_rng([seed, round_idx, client, epoch]).permutation(indices)
+                 for epoch in range(local_epochs))
 
-    def __init__(self, parts: list[np.ndarray], plan: RoundPlan, local_epochs: int, batch_size: int,
-                 seed: int, rank: int = 0, world_size: int = 1):
-        self.parts, self.plan, self.local_epochs, self.batch_size = parts, plan, local_epochs, batch_size
-        self.seed, self.rank, self.world_size = seed, rank, world_size
+
+def rank_share(batch_size: int, rank: int, world_size: int) -> slice | np.ndarray:
+    """The positions of a batch that one rank trains on (data parallelism inside a client)."""
+    if world_size == 1:
+        return slice(None)
+    if batch_size < world_size:
+        # A tail batch smaller than the number of ranks: every rank needs a sample, so some repeat
+        # one (their gradients are averaged by DDP). Exact equivalence with one device holds when
+        # batches divide evenly.
+        return np.asarray([rank % batch_size])
+    return slice(rank, None, world_size)
+
+
+class _WorkItems(Dataset):
+    """The round's clients as a map-style dataset: one item (one Trainer batch) per client."""
+
+    def __init__(self, plan: RoundPlan):
+        self.plan = plan
 
     def __len__(self) -> int:
-        return self.plan.num_batches
+        return len(self.plan.clients)
 
-    def __iter__(self):
-        for steps in self.plan.clients:
-            idx = self.parts[steps.client]
-            for epoch in range(self.local_epochs):
-                order = np.random.default_rng([self.seed, self.plan.round, steps.client, epoch]).permutation(idx)
-                for start in range(0, len(order), self.batch_size):
-                    batch = order[start : start + self.batch_size]
-                    if len(batch) < self.world_size:
-                        # A tail batch smaller than the number of ranks: every rank needs a sample,
-                        # so some repeat one (their gradients are averaged by DDP). Exact
-                        # equivalence with one device holds when batches divide evenly.
-                        yield [int(batch[self.rank % len(batch)])]
-                    else:
-                        yield batch[self.rank :: self.world_size].tolist()
+    def __getitem__(self, i: int) -> ClientWork:
+        return self.plan.clients[i]
+
+
+class _SlicedBatches(Dataset):
+    """Evaluation batches pre-sliced from tensors on the device (no per-sample collation)."""
+
+    def __init__(self, batches: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i: int):
+        return self.batches[i]
+
+
+def _no_collate(item):
+    return item
 
 
 class _Reshaped(Dataset):
@@ -99,7 +143,21 @@ class _Reshaped(Dataset):
 
 
 def _reshaped(ds: LabelledDataset, size: int | None, channels: int | None) -> LabelledDataset:
-    return LabelledDataset(_Reshaped(ds, size, channels), ds.labels)
+    def in_memory() -> TensorImages | None:
+        base = ds.tensors()
+        if base is None or base.augment:  # crop and flip come before resizing: keep the DataLoader path
+            return None
+        chunks = []
+        for start in range(0, len(base), 1024):
+            x = base.finish(base.images[start : start + 1024])
+            if size is not None and x.shape[-1] != size:
+                x = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
+            if channels is not None and x.shape[1] != channels:
+                x = x.expand(-1, channels, -1, -1)
+            chunks.append(x.contiguous())
+        return TensorImages(torch.cat(chunks), base.labels)
+
+    return LabelledDataset(_Reshaped(ds, size, channels), ds.labels, in_memory)
 
 
 class FederatedDataModule(L.LightningDataModule):
@@ -198,6 +256,7 @@ class FederatedDataModule(L.LightningDataModule):
         self.client_parts: list[np.ndarray] = []
         self.client_test_parts: list[np.ndarray] = []
         self.round_plan: RoundPlan | None = None
+        self._device_cache: dict[int, TensorImages] = {}
 
     @property
     def hparams_initial(self) -> AttributeDict:
@@ -268,25 +327,72 @@ class FederatedDataModule(L.LightningDataModule):
 
     def plan_round(self, round_idx: int) -> RoundPlan:
         h = self.hparams
-        steps, first = [], 0
-        for c in sample_clients(h.num_clients, h.sample_ratio, h.seed, round_idx):
-            n = len(self.client_parts[c])
-            nb = h.local_epochs * -(-n // h.batch_size)
-            steps.append(ClientSteps(c, n, first, nb))
-            first += nb
-        return RoundPlan(round_idx, tuple(steps))
+        work = tuple(
+            ClientWork(round_idx, c, len(self.client_parts[c]),
+                       client_orders(self.client_parts[c], h.seed, round_idx, c, h.local_epochs), h.batch_size)
+            for c in sample_clients(h.num_clients, h.sample_ratio, h.seed, round_idx)
+        )
+        return RoundPlan(round_idx, work)
 
     def train_dataloader(self) -> DataLoader:
+        """One item per sampled client; `training_step` runs the client's local training."""
         round_idx = self.trainer.current_epoch if self.trainer is not None else 0
         self.round_plan = self.plan_round(round_idx)
-        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
-        sampler = RoundBatchSampler(
-            self.client_parts, self.round_plan, self.hparams.local_epochs, self.hparams.batch_size,
-            self.hparams.seed, rank, world,
-        )
-        return DataLoader(self.train_set, batch_sampler=sampler, num_workers=self.hparams.num_workers)
+        return DataLoader(_WorkItems(self.round_plan), batch_size=None, collate_fn=_no_collate)
 
-    def _eval_loader(self, dataset) -> DataLoader:
+    # ---- data on the device -------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.trainer.strategy.root_device if self.trainer is not None else torch.device("cpu")
+
+    def _on_device(self, dataset) -> TensorImages | None:
+        """The dataset as tensors on the training device, or None for the DataLoader path."""
+        tensors_of = getattr(dataset, "tensors", None)
+        tensors = tensors_of() if tensors_of is not None else None
+        if tensors is None:
+            return None
+        device = self.device
+        cached = self._device_cache.get(id(dataset))
+        if cached is None or cached.images.device != device:
+            cached = tensors.to(device)
+            self._device_cache[id(dataset)] = cached
+        return cached
+
+    def minibatches(self, work: ClientWork) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """A client's local mini-batches, in order, on the training device (this rank's share)."""
+        rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        tensors = self._on_device(self.train_set)
+        if tensors is None:  # image folders: decode and collate in a DataLoader
+            shares = [b[rank_share(len(b), rank, world)].tolist() for b in work.batches]
+            loader = DataLoader(self.train_set, batch_sampler=shares, num_workers=self.hparams.num_workers)
+            device = self.device
+            for x, y in loader:
+                yield x.to(device), y.to(device)
+            return
+        generator = None
+        if tensors.augment:
+            generator = client_generator(self.hparams.seed, work.round, work.client, tensors.images.device)
+        device = tensors.images.device
+        for order in work.orders:
+            # one gather per local epoch; its mini-batches are then views, not copies
+            images, labels = tensors.take(torch.from_numpy(order).to(device))
+            for start in range(0, len(order), work.batch_size):
+                x, y = images[start : start + work.batch_size], labels[start : start + work.batch_size]
+                if world > 1:
+                    share = rank_share(len(y), rank, world)
+                    share = share if isinstance(share, slice) else torch.as_tensor(share, device=device)
+                    yield tensors.finish(x, generator, share), y[share]
+                else:
+                    yield tensors.finish(x, generator), y
+
+    def _eval_loader(self, dataset, indices: np.ndarray | None = None) -> DataLoader:
+        tensors = self._on_device(dataset) if self.trainer is not None else None
+        if tensors is not None:
+            idx = None if indices is None else torch.as_tensor(indices, device=tensors.images.device)
+            batches = tensors.without_augmentation().sequential_batches(self.hparams.eval_batch_size, idx)
+            return DataLoader(_SlicedBatches(batches), batch_size=None, collate_fn=_no_collate)
+        if indices is not None:
+            dataset = Subset(dataset, indices.tolist())
         return DataLoader(dataset, batch_size=self.hparams.eval_batch_size, shuffle=False,
                           num_workers=self.hparams.num_workers)
 
@@ -303,7 +409,7 @@ class FederatedDataModule(L.LightningDataModule):
         n = len(self.test_set)
         if max_samples and max_samples < n:
             idx = np.sort(np.random.default_rng(self.hparams.partition_seed).choice(n, max_samples, replace=False))
-            return self._eval_loader(Subset(self.test_set, idx.tolist()))
+            return self._eval_loader(self.test_set, idx)
         return self._eval_loader(self.test_set)
 
     def client_loader(self, client: int, split: Literal["train", "test"] = "train", shuffle: bool = False,

@@ -11,11 +11,14 @@ cached, and a damaged cache is rebuilt.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import io
 import os
 import pickle
 import zipfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +28,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import Dataset, TensorDataset
 
 from fl_lightning.checkpointing import TEMP_MARK, atomic_write_bytes
+from fl_lightning.data.tensors import TensorImages
 from fl_lightning.errors import FLUserError, unknown_name
 
 # What numpy, zipfile, pickle and scipy raise on a truncated, empty or foreign file.
@@ -85,11 +89,22 @@ def spec_of(name: str) -> DataSpec:
 
 class LabelledDataset(Dataset):
     """A dataset together with its labels as an int64 array, which partitioners need without
-    decoding every image."""
+    decoding every image. `in_memory` builds the same samples as tensors (data/tensors.py) for
+    datasets that fit in memory; image folders have none and are read through a DataLoader."""
 
-    def __init__(self, base: Dataset, labels: np.ndarray):
+    def __init__(self, base: Dataset, labels: np.ndarray, in_memory: Callable[[], TensorImages] | None = None):
         self.base = base
         self.labels = np.asarray(labels, dtype=np.int64)
+        if in_memory is None and isinstance(base, TensorDataset):
+            in_memory = functools.partial(_from_tensor_dataset, base)
+        self._in_memory = in_memory
+        self._tensors: TensorImages | None = None
+
+    def tensors(self) -> TensorImages | None:
+        """The whole dataset as tensors (built once), or None if it is not held in memory."""
+        if self._tensors is None and self._in_memory is not None:
+            self._tensors = self._in_memory()
+        return self._tensors
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -97,6 +112,29 @@ class LabelledDataset(Dataset):
     def __getitem__(self, i):
         x, y = self.base[i]
         return x, int(y)
+
+
+def _from_tensor_dataset(base: TensorDataset) -> TensorImages:
+    x, y = base.tensors
+    return TensorImages(x, torch.as_tensor(y, dtype=torch.int64))
+
+
+def _uint8_images(data, mean, std, augment: bool) -> Callable[[], TensorImages]:
+    """Builds TensorImages from 8-bit images (N, H, W), (N, H, W, C) or, with `chw`, (N, C, H, W)."""
+
+    def build() -> TensorImages:
+        x = torch.as_tensor(np.asarray(data), dtype=torch.uint8)
+        if x.ndim == 3:
+            x = x[:, None]
+        elif x.shape[-1] in (1, 3) and x.shape[1] not in (1, 3):
+            x = x.permute(0, 3, 1, 2)
+        return TensorImages(x.contiguous(), torch.empty(0), mean, std, augment)
+
+    return build
+
+
+def _with_labels(build: Callable[[], TensorImages], labels: np.ndarray) -> Callable[[], TensorImages]:
+    return lambda: dataclasses.replace(build(), labels=torch.as_tensor(np.asarray(labels), dtype=torch.int64))
 
 
 def default_root() -> Path:
@@ -308,17 +346,23 @@ def _torchvision(name: str, root: Path, download: bool, augment: bool):
         if name == "svhn":
             train = tvd.SVHN(root, split="train", download=download, transform=_transforms(name, True, augment))
             test = tvd.SVHN(root, split="test", download=download, transform=_transforms(name, False, augment))
-            return LabelledDataset(train, train.labels), LabelledDataset(test, test.labels)
-        train = cls(root, train=True, download=download, transform=_transforms(name, True, augment))
-        test = cls(root, train=False, download=download, transform=_transforms(name, False, augment))
-    except (RuntimeError, *UNREADABLE) as err:
+        else:
+            train = cls(root, train=True, download=download, transform=_transforms(name, True, augment))
+            test = cls(root, train=False, download=download, transform=_transforms(name, False, augment))
+    except (RuntimeError, OSError, *UNREADABLE) as err:
         # torchvision says "not found or corrupted" for both, and a download attempt without
         # network fails the same way: tell them apart by looking at the files.
         damage = _torchvision_damage(name, cls, root)
         if damage is not None:
             raise _corrupt(name, *damage) from err
         raise _missing(name, root, download) from err
-    return LabelledDataset(train, np.asarray(train.targets)), LabelledDataset(test, np.asarray(test.targets))
+    mean, std = NORMALIZATION[name]
+    sets = []
+    for ds, train_split in ((train, True), (test, False)):
+        labels = np.asarray(ds.labels if name == "svhn" else ds.targets)
+        tensors = _uint8_images(ds.data, mean, std, train_split and augment and name in AUGMENTED_DATASETS)
+        sets.append(LabelledDataset(ds, labels, _with_labels(tensors, labels)))
+    return sets[0], sets[1]
 
 
 def _read_image(path: str):
@@ -404,7 +448,9 @@ def _medmnist(name: str, root: Path, download: bool):
     for split in ("train", "test"):
         labels = parts[f"{split}_labels"].reshape(-1).astype(np.int64)  # medmnist stores shape (N, 1)
         images = parts[f"{split}_images"]
-        sets.append(LabelledDataset(_NumpyImages(images, labels, _transforms(name, split == "train", False)), labels))
+        tensors = _with_labels(_uint8_images(images, *NORMALIZATION["medmnist"], augment=False), labels)
+        sets.append(LabelledDataset(_NumpyImages(images, labels, _transforms(name, split == "train", False)), labels,
+                                    tensors))
     return sets[0], sets[1]
 
 

@@ -1,6 +1,6 @@
 """Methods, one family per file. The CLI takes any of these by class name (`--model FedSOL`)."""
 
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import FederatedMethod, SharedModelMethod
 from fl_lightning.methods.ditto import Ditto
 from fl_lightning.methods.fedavg import FedAvg
 from fl_lightning.methods.fedbabu import FedBABU
@@ -28,7 +28,7 @@ from fl_lightning.methods.shared_head import FedGH, LGFedAvg
 from fl_lightning.methods.spherefed import SphereFed
 
 __all__ = [
-    "FederatedMethod", "FedAvg", "FedSOL", "ProximalProjection",
+    "FederatedMethod", "SharedModelMethod", "FedAvg", "FedSOL", "ProximalProjection",
     # FedSOL with other methods' proximal objectives (FedSOL paper Table 4, "Combined")
     "FedSOLMOON", "FedSOLFedDyn", "FedSOLSCAFFOLD",
     # baselines of the FedSOL / FedCONST tables

@@ -5,14 +5,20 @@ combines the uploads. The federated callback (federation.py) calls these hooks i
     round_start(round, clients)      server: snapshot the global state every client starts from
     client_start(client, n)          client: load the global state (+ its own persistent state),
                                      fresh optimizer state
-    training_step(batch)             client: one local step
+    training_step(work)              client: its whole local training, calling
+                                     minibatch_step(batch) once per local mini-batch
     client_end() -> ClientUpload     client: what it sends; state it keeps without sending it goes
                                      through keep_on_client (committed if the upload is accepted)
-    aggregate(uploads)               server: uploads -> new global state, loaded into self.model
+    local_model_stats(test_loader)   client: measures of its trained model (local/* means)
+    aggregate(uploads)               server: uploads -> the next round's server state
+    aggregated_state()               server: what aggregation produced (checked for NaN/inf)
     round_end()                      server: per-round lr decay
 
-Between rounds `self.model` holds the global model, so Lightning's validation loop, checkpoints
-and `validate`/`test` see the global model with no extra plumbing.
+Two siblings implement them over the common base `FederatedMethod`: `SharedModelMethod` (one
+global model every client starts from; between rounds `self.model` holds it, so Lightning's
+validation loop, checkpoints and `validate`/`test` see it with no extra plumbing) and
+`hetero_base.HeteroMethod` (each client its own architecture, evaluated on its own test split).
+Personalised evaluation starts fine-tuning from `finetune_start(client)`, whichever the family.
 
 Every local step should go through `sgd_step(loss)` (backward, `after_backward`, optimizer step,
 `after_optimizer_step`): the base `after_optimizer_step` enforces the FedCONST constraint
@@ -22,21 +28,27 @@ Every local step should go through `sgd_step(loss)` (backward, `after_backward`,
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Literal
 
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
+from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy
 
+from fl_lightning.client_store import ClientStateStore
+from fl_lightning.data.datamodule import ClientWork
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import ClientUpload, weighted_average
 from fl_lightning.methods.common import to_cpu
 from fl_lightning.methods.fedconst import CONSTRAINT_MODES, ChannelConstraint, constrained_names
 from fl_lightning.models import FLModel, build_model
+from fl_lightning.uploads import ClientUpload, weighted_average
 
 
 def abstract_base(cls: type) -> type:
@@ -50,10 +62,15 @@ def abstract_base(cls: type) -> type:
 
 @abstract_base
 class FederatedMethod(L.LightningModule):
-    """FedAvg's behaviour is the default of every hook; methods override what differs.
+    """The common base of both method families: the local optimizer and step (manual
+    optimization through `sgd_step`), one Trainer batch = one client (`training_step` calls
+    `minibatch_step` per local mini-batch), per-step logs, per-client state, and the round's
+    hooks the federated callback calls. `SharedModelMethod` (one global model) and
+    `hetero_base.HeteroMethod` (a model per client) are its two siblings.
 
     Args:
-        model: architecture name (see `fl_lightning.models.MODELS`).
+        model: architecture name (see `fl_lightning.models.MODELS`), or a model group for
+            model-heterogeneous methods.
         lr: learning rate of the local SGD (its state is reset for every client, every round).
         momentum: momentum of the local SGD.
         weight_decay: weight decay of the local SGD.
@@ -67,9 +84,6 @@ class FederatedMethod(L.LightningModule):
             Algorithm 1 order). Applied in `after_optimizer_step`, so every method that steps
             through `sgd_step` gets it ("+ CONST").
     """
-
-    needs_global_model: bool = False  # methods that run the frozen round-start model set this
-    has_global_model: bool = True  # False for model-heterogeneous methods (no shared weights)
 
     def __init__(
         self,
@@ -100,23 +114,18 @@ class FederatedMethod(L.LightningModule):
             raise FLUserError(f"constraint must be one of {', '.join(CONSTRAINT_MODES)}, got '{constraint}'")
         self.save_hyperparameters()
         self.automatic_optimization = False
-        self.model: FLModel = self.build_network(model, data_spec)
-        self.val_acc = MulticlassAccuracy(num_classes=data_spec.num_classes, average="micro")
-        self.test_acc = MulticlassAccuracy(num_classes=data_spec.num_classes, average="micro")
-        self.global_weights: dict[str, torch.Tensor] | None = None
         self.round_idx = -1
         self.current_client: int | None = None
         self.current_num_samples = 0
         self.local_step = 0  # steps the current client has taken this round
-        self.client_states: dict[int, dict[str, torch.Tensor]] = {}
+        # {client: state} kept between rounds, in memory or (bounded) on disk: client_store.py
+        self.client_states = ClientStateStore()
         self._kept_states: dict[int, dict[str, torch.Tensor]] = {}  # see keep_on_client
-        self._global_model: FLModel | None = None
         self.constraint = constraint
         self._constraint: ChannelConstraint | None = None  # this round's constraint set
         self._base_after_step_ran = False
-
-    def build_network(self, name: str, spec: DataSpec) -> FLModel:
-        return build_model(name, spec)
+        self._local_logs: dict[str, tuple[list, list[int]]] = {}
+        self._direct_steps = False  # see sgd_step
 
     # ---- optimizer ----------------------------------------------------------------------------
     def local_parameters(self) -> Iterable[nn.Parameter]:
@@ -140,9 +149,229 @@ class FederatedMethod(L.LightningModule):
         """Momentum buffers start at zero for every client, every round, and are never uploaded."""
         self.optimizers().optimizer.state.clear()
 
+    def on_train_start(self) -> None:
+        self._direct_steps = self._steps_need_no_lightning_wrappers()
+
+    def _steps_need_no_lightning_wrappers(self) -> bool:
+        """True on one device with 32-bit precision when neither a callback nor the module
+        overrides a per-step optimization hook: `manual_backward` and `LightningOptimizer.step`
+        then add nothing but their cost (a third of a small model's step)."""
+        trainer = self.trainer
+        if type(trainer.strategy) is not SingleDeviceStrategy or type(trainer.precision_plugin) is not Precision:
+            return False
+        hooks = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
+        listeners = [(type(cb), L.Callback) for cb in trainer.callbacks] + [(type(self), L.LightningModule)]
+        return not any(getattr(cls, h) is not getattr(base, h) for cls, base in listeners for h in hooks)
+
+    # ---- the round (each sibling implements these) ---------------------------------------------
+    def round_start(self, round_idx: int, clients: list[int]) -> None:
+        """Server: take this round's starting state (before any client runs)."""
+        self.round_idx = round_idx
+
+    def client_start(self, client: int, num_samples: int) -> None:
+        """Client: receive what the server sends (and the client's own state); fresh optimizer."""
+        raise NotImplementedError
+
+    def client_end(self) -> ClientUpload:
+        """Client: what it sends (state it keeps without sending goes through keep_on_client)."""
+        raise NotImplementedError
+
+    def aggregate(self, uploads: list[ClientUpload]) -> None:
+        """Server: the accepted uploads -> the next round's server state."""
+        raise NotImplementedError
+
+    def local_model_stats(self, test_loader: Callable[[], Iterable]) -> dict[str, float]:
+        """Called right after `client_end`: measures of the client's just-trained model for the
+        round's `local/*` means (e.g. its accuracy on the global test set, `test_loader()`)."""
+        return {}
+
+    def aggregated_state(self) -> dict[str, torch.Tensor]:
+        """What aggregation produced, checked for NaN/inf by the callback after every round."""
+        return dict(self.state_dict())
+
+    def finetune_start(self, client: int) -> FLModel:
+        """The model personalised fine-tuning of `client` starts from (it is copied, never
+        changed): the global model, or the client's own model."""
+        raise NotImplementedError
+
+    def personal_model(self, client: int) -> nn.Module | None:
+        """The method's own personalised model of `client`, for methods that train one while
+        federating (FedPer, FedRep, Ditto, Per-FedAvg, kNN-Per: the "1-step" pFL methods). It is a
+        new module on `self.device` whose forward gives class scores. Building it must not change
+        the global model or any client state. None means the method has none, and personalised
+        evaluation then reports only fine-tuning from the global model."""
+        return None
+
+    def global_test_metrics(self, loader: Callable[[], Iterable]) -> dict[str, float]:
+        """Final measures on the global test set `loader()` (personalised evaluation reports them
+        as `final/*`); nothing for methods without a global model."""
+        return {}
+
+    # ---- the local training ---------------------------------------------------------------------
+    def local_loss(self, batch) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.model(x), y)
+
+    def training_step(self, work: ClientWork, batch_idx: int) -> None:
+        """One Trainer batch is one client: its whole local training, one `minibatch_step` per
+        local mini-batch (sliced on the device by the data module). The federated callback has
+        started the client before this and ends it after."""
+        for batch in self.trainer.datamodule.minibatches(work):
+            self.minibatch_step(batch)
+
+    def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
+        if isinstance(batch, ClientWork):  # indices only; its mini-batches are made on the device
+            return batch
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    def minibatch_step(self, batch) -> torch.Tensor | None:
+        """One local step on one mini-batch (x, y); methods with their own step override this."""
+        loss = self.local_loss(batch)
+        self.sgd_step(loss)
+        self.log_local({"train/loss": loss}, len(batch[1]))
+        return loss.detach()
+
+    def log_local(self, metrics: dict[str, torch.Tensor | float], batch_size: int) -> None:
+        """Per-step values, accumulated on the device and logged once per round by the federated
+        callback (`flush_local_logs`) as their batch-size-weighted mean over all local steps of the
+        round: Lightning's `log` costs far more than a small model's step."""
+        for key, value in metrics.items():
+            values = self._local_logs.setdefault(key, ([], []))
+            values[0].append(value.detach() if isinstance(value, torch.Tensor) else value)
+            values[1].append(batch_size)
+
+    def flush_local_logs(self) -> dict[str, float]:
+        """The round's means of what `log_local` collected (and forgets them)."""
+        means = {}
+        for key, (values, sizes) in self._local_logs.items():
+            values = torch.as_tensor([float(v) for v in values], dtype=torch.float64) if not all(
+                isinstance(v, torch.Tensor) for v in values) else torch.stack(values).double().cpu()
+            weights = torch.as_tensor(sizes, dtype=torch.float64)
+            means[key] = float((values * weights).sum() / weights.sum())
+        self._local_logs = {}
+        return means
+
+    def sgd_step(self, loss: torch.Tensor) -> None:
+        opt = self.optimizers()
+        if self._direct_steps:
+            # one device, 32-bit, no per-step hook anyone listens to: Lightning's backward and step
+            # wrappers would only dispatch empty hooks; the step counter still advances
+            opt.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.after_backward()
+            opt.optimizer.step()
+            progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+            progress.increment_ready()
+            progress.increment_completed()
+        else:  # precision plugins (autocast, loss scaling), DDP and per-step callback hooks
+            opt.zero_grad(set_to_none=True)
+            self.manual_backward(loss)
+            self.after_backward()
+            opt.step()
+        self._base_after_step_ran = False
+        self.after_optimizer_step()
+        if self._constraint is not None and not self._base_after_step_ran:
+            raise RuntimeError(f"{type(self).__name__}.after_optimizer_step() must call "
+                               f"super().after_optimizer_step(): it enforces the FedCONST constraint")
+        self.local_step += 1
+
+    def after_backward(self) -> None:
+        """Hook between backward and step: gradient corrections (SCAFFOLD, constraints)."""
+
+    def after_optimizer_step(self) -> None:
+        """Hook after every local step: projections that must hold after momentum/weight decay.
+
+        The base version enforces the FedCONST constraint (`constraint`). Overrides must call
+        `super().after_optimizer_step()`, last if their own changes must also be constrained;
+        `sgd_step` raises if an override skips it while a constraint is on.
+        """
+        if self._constraint is not None:
+            self._constraint.apply(self.model)
+        self._base_after_step_ran = True
+
+    def round_end(self) -> None:
+        self.lr_schedulers().step()
+
+    # ---- evaluation ---------------------------------------------------------------------------
+    def predict_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Class scores used for every accuracy; cosine-classifier methods override this."""
+        return self.model(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.predict_logits(x)
+
+    # ---- state a client keeps without uploading it ---------------------------------------------
+    def configure_client_stores(self, directory, cache_size: int) -> None:
+        """Where per-client state files go and how many clients stay in memory (the federated
+        callback sets this from its options at fit start)."""
+        self.client_states.configure(None if directory is None else Path(directory) / "states", cache_size)
+
+    def keep_on_client(self, state: dict[str, torch.Tensor]) -> None:
+        """Keep `state` (copied to the CPU) as the current client's own persistent state, never
+        uploaded (Ditto's personal model, FedPer's head, FedKD's W_h). It becomes
+        `client_states[client]` when the server accepts this round's upload (`commit_kept_states`),
+        so a client whose upload is dropped as non-finite keeps its previous state."""
+        self._kept_states[self.current_client] = to_cpu(state)
+
+    def commit_kept_states(self, accepted: list[ClientUpload]) -> None:
+        """Called by the federation after aggregation with the uploads the server accepted."""
+        for u in accepted:
+            if u.client in self._kept_states:
+                self.client_states[u.client] = self._kept_states[u.client]
+        self._kept_states = {}
+
+    # ---- persistent client state survives checkpoints -----------------------------------------
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["fl_client_states"] = self.client_states.checkpoint_state()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        saved = checkpoint.get("fl_client_states", {})
+        if "manifest" not in saved and "states" not in saved:  # a checkpoint from before the store
+            saved = {"states": saved}
+        self.client_states.load_checkpoint_state(saved)
+
+    # ---- multi-device -------------------------------------------------------------------------
+    def mean_across_devices(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Gradients taken with torch.autograd.grad bypass DDP's all-reduce; average them here so
+        every rank perturbs identically (a no-op on one device)."""
+        if self._trainer is None or self._trainer.world_size == 1:
+            return tensors
+        return [self.trainer.strategy.reduce(t, reduce_op="mean") for t in tensors]
+
+
+@abstract_base
+class SharedModelMethod(FederatedMethod):
+    """Methods with one global model that every client starts from. FedAvg's behaviour is the
+    default of every hook; methods override what differs. Between rounds `self.model` holds the
+    global model, so Lightning's validation loop, checkpoints and `validate`/`test` see it with
+    no extra plumbing.
+
+    Args:
+        model: architecture name (see `fl_lightning.models.MODELS`).
+        lr, momentum, weight_decay, lr_decay, lr_milestones, lr_milestone_gamma, server_lr,
+            data_spec, constraint: see `FederatedMethod`.
+    """
+
+    needs_global_model: bool = False  # methods that run the frozen round-start model set this
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        spec = self.hparams.data_spec
+        self.model: FLModel = self.build_network(self.hparams.model, spec)
+        self.val_acc = MulticlassAccuracy(num_classes=spec.num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=spec.num_classes, average="micro")
+        # nan_strategy "disable": a NaN loss must reach the divergence policy, not be dropped
+        self.val_loss = MeanMetric(nan_strategy="disable")
+        self.test_loss = MeanMetric(nan_strategy="disable")
+        self.global_weights: dict[str, torch.Tensor] | None = None
+        self._global_model: FLModel | None = None
+
+    def build_network(self, name: str, spec: DataSpec) -> FLModel:
+        return build_model(name, spec)
+
     # ---- server: round start ------------------------------------------------------------------
     def round_start(self, round_idx: int, clients: list[int]) -> None:
-        self.round_idx = round_idx
+        super().round_start(round_idx, clients)
         self.global_weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         if self.needs_global_model:
             if self._global_model is None:
@@ -174,43 +403,6 @@ class FederatedMethod(L.LightningModule):
         self.local_step = 0
         self.model.train()
 
-    def local_loss(self, batch) -> torch.Tensor:
-        x, y = batch
-        return F.cross_entropy(self.model(x), y)
-
-    def training_step(self, batch, batch_idx: int):
-        loss = self.local_loss(batch)
-        self.sgd_step(loss)
-        self.log("train/loss", loss.detach(), on_step=False, on_epoch=True, batch_size=len(batch[1]))
-        return loss.detach()
-
-    def sgd_step(self, loss: torch.Tensor) -> None:
-        opt = self.optimizers()
-        opt.zero_grad(set_to_none=True)
-        self.manual_backward(loss)
-        self.after_backward()
-        opt.step()
-        self._base_after_step_ran = False
-        self.after_optimizer_step()
-        if self._constraint is not None and not self._base_after_step_ran:
-            raise RuntimeError(f"{type(self).__name__}.after_optimizer_step() must call "
-                               f"super().after_optimizer_step(): it enforces the FedCONST constraint")
-        self.local_step += 1
-
-    def after_backward(self) -> None:
-        """Hook between backward and step: gradient corrections (SCAFFOLD, constraints)."""
-
-    def after_optimizer_step(self) -> None:
-        """Hook after every local step: projections that must hold after momentum/weight decay.
-
-        The base version enforces the FedCONST constraint (`constraint`). Overrides must call
-        `super().after_optimizer_step()`, last if their own changes must also be constrained;
-        `sgd_step` raises if an override skips it while a constraint is on.
-        """
-        if self._constraint is not None:
-            self._constraint.apply(self.model)
-        self._base_after_step_ran = True
-
     def client_end(self) -> ClientUpload:
         weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         stats = {"drift": self.distance_to_global()}
@@ -222,10 +414,32 @@ class FederatedMethod(L.LightningModule):
         sq = sum(((p.detach() - g[n]) ** 2).sum() for n, p in self.model.named_parameters())
         return float(torch.sqrt(sq))
 
+    def local_model_stats(self, test_loader: Callable[[], Iterable]) -> dict[str, float]:
+        acc, loss = self.evaluate(test_loader())
+        return {"local_acc": acc, "local_loss": loss}
+
+    def aggregated_state(self) -> dict[str, torch.Tensor]:
+        return self.model.state_dict()
+
+    def finetune_start(self, client: int) -> FLModel:
+        return self.model
+
+    @torch.no_grad()
+    def global_test_metrics(self, loader: Callable[[], Iterable]) -> dict[str, float]:
+        was_training = self.model.training
+        self.model.eval()
+        correct = total = 0
+        for x, y in loader():
+            x, y = x.to(self.device), y.to(self.device)
+            correct += int((self.model(x).argmax(1) == y).sum())
+            total += len(y)
+        self.model.train(was_training)
+        return {"global_test_acc": correct / total if total else float("nan")}
+
     # ---- server: aggregation ------------------------------------------------------------------
     def aggregate(self, uploads: list[ClientUpload]) -> None:
         """Sample-weighted FedAvg with a server step size: w_g + eta * (avg(w_k) - w_g)."""
-        avg = weighted_average([u.tensors for u in uploads], [u.num_samples for u in uploads])
+        avg = weighted_average([u.weights for u in uploads], [u.num_samples for u in uploads])
         self.load_global(self.server_step(avg))
 
     def server_step(self, avg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -239,9 +453,6 @@ class FederatedMethod(L.LightningModule):
         self.model.load_state_dict(state)
         self.current_client = None
 
-    def round_end(self) -> None:
-        self.lr_schedulers().step()
-
     # ---- personalisation ----------------------------------------------------------------------
     def finetune_loss(self, model: FLModel, batch, teacher: FLModel | None = None,
                       counts: torch.Tensor | None = None) -> torch.Tensor:
@@ -252,35 +463,29 @@ class FederatedMethod(L.LightningModule):
         x, y = batch
         return F.cross_entropy(model(x), y)
 
-    def personal_model(self, client: int) -> nn.Module | None:
-        """The method's own personalised model of `client`, for methods that train one while
-        federating (FedPer, FedRep, Ditto, Per-FedAvg, kNN-Per: the "1-step" pFL methods). It is a
-        new module on `self.device` whose forward gives class scores. Building it must not change
-        the global model or any client state. None means the method has none, and personalised
-        evaluation then reports only fine-tuning from the global model."""
-        return None
-
     # ---- evaluation ---------------------------------------------------------------------------
-    def predict_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Class scores used for every accuracy; cosine-classifier methods override this."""
-        return self.model(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.predict_logits(x)
-
-    def _eval_step(self, batch, metric, prefix: str):
+    def _eval_step(self, batch, acc: MulticlassAccuracy, loss: MeanMetric) -> None:
         x, y = batch
         logits = self.predict_logits(x)
-        loss = F.cross_entropy(logits.float(), y)
-        metric(logits, y)
-        self.log(f"{prefix}_loss", loss, on_epoch=True, batch_size=len(y), sync_dist=True)
-        self.log(f"{prefix}_acc", metric, on_epoch=True, batch_size=len(y), prog_bar=True)
+        acc.update(logits, y)
+        loss.update(F.cross_entropy(logits.float(), y), weight=len(y))
+
+    def _log_eval(self, acc: MulticlassAccuracy, loss: MeanMetric, prefix: str) -> None:
+        """Logged once per evaluation (torchmetrics syncs across processes), not per batch."""
+        self.log(f"{prefix}_loss", loss, on_epoch=True)
+        self.log(f"{prefix}_acc", acc, on_epoch=True, prog_bar=True)
 
     def validation_step(self, batch, batch_idx: int):
-        self._eval_step(batch, self.val_acc, "global/test")
+        self._eval_step(batch, self.val_acc, self.val_loss)
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_eval(self.val_acc, self.val_loss, "global/test")
 
     def test_step(self, batch, batch_idx: int):
-        self._eval_step(batch, self.test_acc, "test/global")
+        self._eval_step(batch, self.test_acc, self.test_loss)
+
+    def on_test_epoch_end(self) -> None:
+        self._log_eval(self.test_acc, self.test_loss, "test/global")
 
     @torch.no_grad()
     def evaluate(self, loader) -> tuple[float, float]:
@@ -296,33 +501,3 @@ class FederatedMethod(L.LightningModule):
             total += len(y)
         self.model.train(was_training)
         return correct / total, loss_sum / total
-
-    # ---- state a client keeps without uploading it ---------------------------------------------
-    def keep_on_client(self, state: dict[str, torch.Tensor]) -> None:
-        """Keep `state` (copied to the CPU) as the current client's own persistent state, never
-        uploaded (Ditto's personal model, FedPer's head, FedKD's W_h). It becomes
-        `client_states[client]` when the server accepts this round's upload (`commit_kept_states`),
-        so a client whose upload is dropped as non-finite keeps its previous state."""
-        self._kept_states[self.current_client] = to_cpu(state)
-
-    def commit_kept_states(self, accepted: list[ClientUpload]) -> None:
-        """Called by the federation after aggregation with the uploads the server accepted."""
-        for u in accepted:
-            if u.client in self._kept_states:
-                self.client_states[u.client] = self._kept_states[u.client]
-        self._kept_states = {}
-
-    # ---- persistent client state survives checkpoints -----------------------------------------
-    def on_save_checkpoint(self, checkpoint: dict) -> None:
-        checkpoint["fl_client_states"] = self.client_states
-
-    def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.client_states = checkpoint.get("fl_client_states", {})
-
-    # ---- multi-device -------------------------------------------------------------------------
-    def mean_across_devices(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Gradients taken with torch.autograd.grad bypass DDP's all-reduce; average them here so
-        every rank perturbs identically (a no-op on one device)."""
-        if self._trainer is None or self._trainer.world_size == 1:
-            return tensors
-        return [self.trainer.strategy.reduce(t, reduce_op="mean") for t in tensors]

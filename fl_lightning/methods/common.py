@@ -30,7 +30,7 @@ def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[st
 
 class ServerStateMixin:
     """Saves the attributes named in `server_state` (each a dict of tensors, or None) in the round
-    checkpoint and restores them on resume. Place it before FederatedMethod in the bases."""
+    checkpoint and restores them on resume. Place it before the method base class in the bases."""
 
     server_state: tuple[str, ...] = ()
 
@@ -56,9 +56,3 @@ def state_or_zeros(stored: dict[str, torch.Tensor] | None, model: torch.nn.Modul
     server or the client has one."""
     return trainable_zeros(model) if stored is None else to_device(stored, device)
 
-
-def split_upload(tensors: dict[str, torch.Tensor], prefix: str) -> tuple[dict, dict]:
-    """(model state, extras) of an upload whose extra tensors are keyed `prefix + name`."""
-    model = {k: v for k, v in tensors.items() if not k.startswith(prefix)}
-    extra = {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}
-    return model, extra

@@ -45,12 +45,12 @@ import torch
 import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import ClientUpload
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import SharedModelMethod
 from fl_lightning.models import FLModel
+from fl_lightning.uploads import ClientUpload
 
 
-class Ditto(FederatedMethod):
+class Ditto(SharedModelMethod):
     """Ditto (Li et al., ICML 2021): a FedAvg global model, and per client a personal model v_k
     trained toward it.
 
@@ -106,10 +106,10 @@ class Ditto(FederatedMethod):
         opt.step()
         return loss.detach()
 
-    def training_step(self, batch, batch_idx: int):
-        loss = super().training_step(batch, batch_idx)  # the global track: exactly FedAvg's step
+    def minibatch_step(self, batch):
+        loss = super().minibatch_step(batch)  # the global track: exactly FedAvg's step
         personal = self.personal_step(batch)
-        self.log("ditto/personal_loss", personal, on_step=False, on_epoch=True, batch_size=len(batch[1]))
+        self.log_local({"ditto/personal_loss": personal}, len(batch[1]))
         return loss
 
     def client_end(self) -> ClientUpload:

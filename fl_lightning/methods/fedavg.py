@@ -1,10 +1,10 @@
 """FedAvg (McMahan et al., 2017): local SGD on cross-entropy, sample-weighted averaging.
 
-Every hook of `FederatedMethod` is already FedAvg's; this class exists so configs and logs name it.
+Every hook of `SharedModelMethod` is already FedAvg's; this class exists so configs and logs name it.
 """
 
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import SharedModelMethod
 
 
-class FedAvg(FederatedMethod):
+class FedAvg(SharedModelMethod):
     pass

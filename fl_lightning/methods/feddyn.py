@@ -19,12 +19,12 @@ import torch
 import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import ClientUpload, weighted_average
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import SharedModelMethod
 from fl_lightning.methods.common import ServerStateMixin, state_or_zeros, to_cpu
+from fl_lightning.uploads import ClientUpload, weighted_average
 
 
-class FedDyn(ServerStateMixin, FederatedMethod):
+class FedDyn(ServerStateMixin, SharedModelMethod):
     """FedDyn (Acar et al., ICLR 2021): a dynamic regulariser that aligns local and global
     stationary points.
 
@@ -69,14 +69,14 @@ class FedDyn(ServerStateMixin, FederatedMethod):
         alpha = self.hparams.alpha
         num_clients = self.trainer.datamodule.num_clients
         g = self.global_params()
-        new = weighted_average([u.tensors for u in uploads], [1.0] * len(uploads))
+        new = weighted_average([u.weights for u in uploads], [1.0] * len(uploads))
         for u in uploads:
             old = self.client_states.get(u.client)
             state = {}
             for n, wg in g.items():
                 if n not in self.server_h:
                     continue
-                delta = u.tensors[n].to(wg.device) - wg
+                delta = u.weights[n].to(wg.device) - wg
                 state[n] = (0 if old is None else old[n].to(wg.device)) - alpha * delta
                 self.server_h[n] -= (alpha / num_clients) * delta
             self.client_states[u.client] = to_cpu(state)

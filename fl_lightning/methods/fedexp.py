@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import ClientUpload, weighted_average
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import SharedModelMethod
 from fl_lightning.methods.common import ServerStateMixin, to_device
+from fl_lightning.uploads import ClientUpload, weighted_average
 
 
 def fedexp_step_size(deltas: list[dict[str, torch.Tensor]], weights: list[float], eps: float) -> float:
@@ -30,7 +30,7 @@ def fedexp_step_size(deltas: list[dict[str, torch.Tensor]], weights: list[float]
     return max(1.0, 0.5 * spread / (mean_sq + len(deltas) * eps))
 
 
-class FedExP(ServerStateMixin, FederatedMethod):
+class FedExP(ServerStateMixin, SharedModelMethod):
     """FedExP (Jhunjhunwala et al., ICLR 2023): an adaptive server step size from the clients'
     updates (extrapolation).
 
@@ -57,9 +57,9 @@ class FedExP(ServerStateMixin, FederatedMethod):
     def aggregate(self, uploads: list[ClientUpload]) -> None:
         sizes = [float(u.num_samples) for u in uploads]
         g = self.global_params()
-        deltas = [{n: u.tensors[n] - wg for n, wg in g.items()} for u in uploads]
+        deltas = [{n: u.weights[n] - wg for n, wg in g.items()} for u in uploads]
         eta = fedexp_step_size(deltas, sizes, self.hparams.eps)
-        new = weighted_average([u.tensors for u in uploads], sizes)  # buffers as in FedAvg
+        new = weighted_average([u.weights for u in uploads], sizes)  # buffers as in FedAvg
         for n, wg in g.items():
             new[n] = wg + eta * (new[n] - wg)
         self.iterate = {k: v.detach().clone() for k, v in new.items()}

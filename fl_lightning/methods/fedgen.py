@@ -44,10 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import ClientUpload
 from fl_lightning.methods.shared_head import HEAD_PREFIX, LGFedAvg
-
-LABEL_COUNTS = "label_counts"
+from fl_lightning.uploads import ClientUpload
 
 
 class FeatureGenerator(nn.Module):
@@ -151,9 +149,9 @@ class FedGen(LGFedAvg):
             loss = loss + self.hparams.gen_weight * F.cross_entropy(self.model.head(generated), labels)
         return loss
 
-    def upload(self) -> dict[str, torch.Tensor]:
+    def upload(self) -> dict:
         counts = self.trainer.datamodule.client_class_counts(self.current_client)
-        return {**super().upload(), LABEL_COUNTS: torch.as_tensor(counts, dtype=torch.float32)}
+        return {**super().upload(), "label_counts": torch.as_tensor(counts, dtype=torch.float32)}
 
     # ---- server -------------------------------------------------------------------------------
     def teacher_weights(self, uploads: list[ClientUpload], counts: torch.Tensor) -> torch.Tensor:
@@ -165,10 +163,10 @@ class FedGen(LGFedAvg):
 
     def train_generator(self, uploads: list[ClientUpload]) -> float:
         h, dev = self.hparams, self.device
-        counts = torch.stack([u.tensors[LABEL_COUNTS].to(dev) for u in uploads])
+        counts = torch.stack([u.label_counts.to(dev) for u in uploads])
         weights = self.teacher_weights(uploads, counts)
         heads = [
-            (u.tensors[f"{HEAD_PREFIX}weight"].to(dev).float(), u.tensors[f"{HEAD_PREFIX}bias"].to(dev).float())
+            (u.weights[f"{HEAD_PREFIX}weight"].to(dev).float(), u.weights[f"{HEAD_PREFIX}bias"].to(dev).float())
             for u in uploads
         ]
         label_dist = counts.sum(0)
@@ -192,7 +190,7 @@ class FedGen(LGFedAvg):
 
     def aggregate(self, uploads: list[ClientUpload]) -> None:
         for u in uploads:
-            self.client_label_counts[u.client] = u.tensors[LABEL_COUNTS].to(self.client_label_counts)
+            self.client_label_counts[u.client] = u.label_counts.to(self.client_label_counts)
         # G learns from the heads the clients trained, before they are averaged away.
         loss = self.train_generator(uploads)
         self.log("server/generator_loss", loss, on_step=False, on_epoch=True, batch_size=1)

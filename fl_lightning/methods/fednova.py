@@ -11,32 +11,27 @@ is not reproduced. Non-parameter buffers (e.g. BN statistics) are averaged as in
 
 from __future__ import annotations
 
-import torch
-
-from fl_lightning.federation import ClientUpload, weighted_average
-from fl_lightning.methods.base import FederatedMethod
-from fl_lightning.methods.common import effective_steps, split_upload
-
-EXTRA = "fednova."
+from fl_lightning.methods.base import SharedModelMethod
+from fl_lightning.methods.common import effective_steps
+from fl_lightning.uploads import ClientUpload, weighted_average
 
 
-class FedNova(FederatedMethod):
+class FedNova(SharedModelMethod):
     def client_end(self) -> ClientUpload:
         upload = super().client_end()
-        upload.tensors[EXTRA + "tau"] = torch.tensor(float(self.local_step), device=self.device)
+        upload.local_steps = self.local_step
         return upload
 
     def aggregate(self, uploads: list[ClientUpload]) -> None:
-        splits = [split_upload(u.tensors, EXTRA) for u in uploads]
         sizes = [u.num_samples for u in uploads]
         total = float(sum(sizes))
         p = [n / total for n in sizes]
-        a = [effective_steps(int(extra["tau"]), self.hparams.momentum) for _, extra in splits]
+        a = [effective_steps(u.local_steps, self.hparams.momentum) for u in uploads]
         tau_eff = sum(pi * ai for pi, ai in zip(p, a, strict=True))
-        new = weighted_average([s[0] for s in splits], sizes)  # buffers; parameters are replaced below
+        new = weighted_average([u.weights for u in uploads], sizes)  # buffers; parameters are replaced below
         g = self.global_params()
         for name, wg in g.items():
-            d = sum((pi / ai) * (wg - s[0][name]) for pi, ai, s in zip(p, a, splits, strict=True))
+            d = sum((pi / ai) * (wg - u.weights[name]) for pi, ai, u in zip(p, a, uploads, strict=True))
             new[name] = wg - self.hparams.server_lr * tau_eff * d
         self.log("fednova/tau_eff", tau_eff, on_step=False, on_epoch=True, batch_size=1)
         self.load_global(new)

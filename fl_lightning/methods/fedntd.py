@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import SharedModelMethod
 
 
 def not_true_logits(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -31,7 +31,7 @@ def ntd_loss(logits: torch.Tensor, global_logits: torch.Tensor, y: torch.Tensor,
     return tau**2 * kl
 
 
-class FedNTD(FederatedMethod):
+class FedNTD(SharedModelMethod):
     """FedNTD (Lee et al., NeurIPS 2022): local CE plus distillation of the global model's
     not-true-class logits.
 
@@ -54,5 +54,5 @@ class FedNTD(FederatedMethod):
         with torch.no_grad():
             global_logits = self.global_model(x)
         ntd = ntd_loss(logits, global_logits, y, self.hparams.tau)
-        self.log("fedntd/ntd_loss", ntd.detach(), on_step=False, on_epoch=True, batch_size=len(y))
+        self.log_local({"fedntd/ntd_loss": ntd}, len(y))
         return F.cross_entropy(logits, y) + self.hparams.beta * ntd

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import SharedModelMethod
 
 
-class FedProx(FederatedMethod):
+class FedProx(SharedModelMethod):
     """FedProx (Li et al., MLSys 2020): local CE plus (mu / 2) ||w - w_g||^2.
 
     Args:

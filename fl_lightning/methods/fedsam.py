@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import SharedModelMethod
 
 
 def sam_perturbation(params: list[torch.Tensor], grads: list[torch.Tensor], rho: float,
@@ -34,7 +34,7 @@ def sam_perturbation(params: list[torch.Tensor], grads: list[torch.Tensor], rho:
     return [(rho * g / (norm + 1e-12)).to(p.dtype) for p, g in zip(params, grads, strict=True)]
 
 
-class FedSAM(FederatedMethod):
+class FedSAM(SharedModelMethod):
     """FedSAM: sharpness-aware minimisation (SAM) in every local step.
 
     Args:
@@ -49,7 +49,7 @@ class FedSAM(FederatedMethod):
             raise FLUserError(f"rho must be >= 0, got {rho}")
         self.save_hyperparameters()
 
-    def training_step(self, batch, batch_idx: int):
+    def minibatch_step(self, batch):
         x, y = batch
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
@@ -59,8 +59,7 @@ class FedSAM(FederatedMethod):
         perturbed = {n: p + e for (n, p), e in zip(named, eps, strict=True)}
         loss = F.cross_entropy(functional_call(self.model, perturbed, (x,), strict=False), y)
         self.sgd_step(loss)
-        self.log_dict({"train/loss": clean.detach(), "sam/perturbed_loss": loss.detach()},
-                      on_step=False, on_epoch=True, batch_size=len(y))
+        self.log_local({"train/loss": clean, "sam/perturbed_loss": loss}, len(y))
         return loss.detach()
 
 

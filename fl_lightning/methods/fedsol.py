@@ -46,7 +46,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import FederatedMethod, abstract_base
+from fl_lightning.methods.base import SharedModelMethod, abstract_base
 
 Scope = Literal["head", "body", "all"]
 STRATEGIES = ("A0", "A1", "A2", "A3", "A4", "A5", "A6")
@@ -127,7 +127,7 @@ class _FeaturesAndLogits(nn.Module):
 
 
 @abstract_base
-class ProximalMethod(FederatedMethod):
+class ProximalMethod(SharedModelMethod):
     """Shared by FedSOL and the projection baseline: the proximal loss L_p(w; w_g).
 
     Args:
@@ -204,7 +204,7 @@ class ProximalMethod(FederatedMethod):
     def _plain_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         loss = F.cross_entropy(self.model(x), y)
         self.sgd_step(loss)
-        self.log("train/loss", loss.detach(), on_step=False, on_epoch=True, batch_size=len(y))
+        self.log_local({"train/loss": loss}, len(y))
         return loss.detach()
 
     def _grads(self, loss: torch.Tensor, params: list[torch.Tensor], retain_graph: bool,
@@ -259,7 +259,7 @@ class FedSOL(ProximalMethod):
     def perturbed_names(self) -> list[str]:
         return self.scoped_names(self.hparams.perturb)
 
-    def training_step(self, batch, batch_idx: int):
+    def minibatch_step(self, batch):
         x, y = batch
         h = self.hparams
         s = h.strategy
@@ -335,7 +335,7 @@ class FedSOL(ProximalMethod):
             if num_perturbed < len(params):
                 metrics["fedsol/cos_update_prox_perturbed"] = _cosine(update[:num_perturbed],
                                                                       prox_grads[:num_perturbed])
-        self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=batch_size)
+        self.log_local(metrics, batch_size)
 
 
 class ProximalProjection(ProximalMethod):
@@ -358,7 +358,7 @@ class ProximalProjection(ProximalMethod):
         self._projection_params: list[torch.Tensor] = []
         self._projected = False
 
-    def training_step(self, batch, batch_idx: int):
+    def minibatch_step(self, batch):
         x, y = batch
         self._step_cache = {}
         self._prox_grads = None
@@ -372,9 +372,8 @@ class ProximalProjection(ProximalMethod):
         self._projection_params = params
         loss = F.cross_entropy(logits, y)
         self.sgd_step(loss)  # after_backward projects p.grad before the optimizer sees it
-        self.log_dict({"train/loss": loss.detach(), "projection/prox_loss": prox.detach(),
-                       "projection/projected": float(self._projected)},
-                      on_step=False, on_epoch=True, batch_size=len(y))
+        self.log_local({"train/loss": loss, "projection/prox_loss": prox,
+                        "projection/projected": float(self._projected)}, len(y))
         return loss.detach()
 
     @torch.no_grad()

@@ -7,7 +7,7 @@ its per-client state (MOON's previous model, FedDyn's g_i, SCAFFOLD's c_i) and i
 As in the paper, the whole model is perturbed by default. FedProx combined is
 `FedSOL` with `proximal: l2`. FedNova has no proximal term of its own, so it has no entry here.
 
-Each class puts FedSOL first in its bases so FedSOL's training_step is the local step, and
+Each class puts FedSOL first in its bases so FedSOL's minibatch_step is the local step, and
 overrides only `proximal_loss` (and whether that term's gradient vanishes at w == w_g).
 """
 

@@ -29,9 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import ClientUpload, weighted_average
-from fl_lightning.methods.base import FederatedMethod, abstract_base
+from fl_lightning.methods.base import SharedModelMethod, abstract_base
 from fl_lightning.models import FLModel, build_model
+from fl_lightning.uploads import ClientUpload, weighted_average
 
 
 def _orthonormal_columns(d: int, num_classes: int, seed: int) -> torch.Tensor:
@@ -91,7 +91,7 @@ def feature_distillation_loss(features: torch.Tensor, teacher_features: torch.Te
 
 
 @abstract_base
-class FrozenClassifierMethod(FederatedMethod):
+class FrozenClassifierMethod(SharedModelMethod):
     """Base of the frozen-classifier family. Subclasses choose the head in `build_network` and their
     local objective in `objective(model, x, y, teacher)` (also used by personalised fine-tuning
     with the method's own loss, e.g. FedDr+FT).
@@ -139,13 +139,13 @@ class FrozenClassifierMethod(FederatedMethod):
     def client_end(self) -> ClientUpload:
         upload = super().client_end()
         for name in self.frozen_names():  # never communicated: every party already holds V
-            upload.tensors.pop(name, None)
+            upload.weights.pop(name, None)
         if self.hparams.analysis:
             upload.stats.update(self.alignment_stats())
         return upload
 
     def aggregate(self, uploads: list[ClientUpload]) -> None:
-        avg = weighted_average([u.tensors for u in uploads], [u.num_samples for u in uploads])
+        avg = weighted_average([u.weights for u in uploads], [u.num_samples for u in uploads])
         for name in self.frozen_names():
             avg[name] = self.global_weights[name]
         self.load_global(self.server_step(avg))

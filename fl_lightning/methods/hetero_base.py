@@ -6,20 +6,21 @@ model k mod |group|) and keeps it across rounds. How that fits the contract of `
 - The N client models live in a plain list, not as submodules, so Lightning neither moves them
   to the accelerator nor puts them in `state_dict`. They stay on the CPU; `client_start` moves the
   client's model to the device and installs it as `self.model` (so `local_loss`, `sgd_step`,
-  `predict_logits` work unchanged), `client_end` moves it back. Between clients `self.model` is an
-  empty placeholder: the "global model" that heterogeneous methods do not have.
+  `predict_logits` work unchanged), `client_end` moves it back. Between clients `self.model` is
+  None: there is no global model.
 - The local optimizer is created once (Lightning's `configure_optimizers`) over a one-element
   anchor tensor; `client_start` rebinds its parameter group to the client's parameters and clears
   its state (fresh momentum for every client, every round), `client_end` rebinds it to the anchor
   so checkpoints hold a client-independent optimizer.
-- Every client model is saved in the round checkpoint under `fl_client_models` and restored on
-  resume; the server state of each method (prototypes, heads, shared models) is registered on
+- Every client model is kept in a client-state store next to the round checkpoint, which names
+  the files (`fl_client_models`); a checkpoint writes only the models that changed since the last
+  one, and resume restores them all. The server state of each method (prototypes, heads, shared models) is registered on
   the module and rides in `state_dict`.
 - Evaluation is personalised, as in the papers: after every round each client's own model is
   evaluated on its own test split, and accuracy = total correct / total test samples over all
   clients (`clients/test_acc`, with the best round so far in `clients/best_test_acc`). The
-  callback's local-on-global evaluation is skipped (`has_global_model = False`), and the global
-  test set is not used.
+  global test set is not used (`local_model_stats` has nothing to add), and personalised
+  fine-tuning starts from the client's own model (`finetune_start`).
 
 The federation carries only what each subclass's `upload` returns.
 """
@@ -27,35 +28,22 @@ The federation carries only what each subclass's `upload` returns.
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
+from fl_lightning.client_store import ClientStateStore, state_digest
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import ClientUpload
 from fl_lightning.methods.base import FederatedMethod, abstract_base
 from fl_lightning.models.base import FLModel
 from fl_lightning.models.hetero import build_client_models, client_architecture, group_members
-
-
-class NoGlobalModel(FLModel):
-    """Stands in for `self.model` between clients: model-heterogeneous methods share no model."""
-
-    feature_dim = 0
-
-    def __init__(self):
-        super().__init__()
-        self.head = nn.Identity()
-
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError(
-            "a model-heterogeneous method has no global model; evaluate client models "
-            "(clients/test_acc) instead"
-        )
+from fl_lightning.uploads import ClientUpload
 
 
 @abstract_base
@@ -71,8 +59,6 @@ class HeteroMethod(FederatedMethod):
         lr_decay: local lr multiplied by this after every round (HtFL papers: 1, no decay).
     """
 
-    has_global_model = False
-
     def __init__(
         self,
         model: str = "HMG8",
@@ -86,6 +72,7 @@ class HeteroMethod(FederatedMethod):
     ):
         if feature_dim < 1:
             raise FLUserError(f"feature_dim must be >= 1, got {feature_dim}")
+        group_members(model)  # an unknown group fails at construction, before any data is loaded
         super().__init__(
             model=model,
             lr=lr,
@@ -96,15 +83,14 @@ class HeteroMethod(FederatedMethod):
             **kwargs,
         )
         self.save_hyperparameters()
-        self._placeholder = self.model
+        self.model: FLModel | None = None  # the installed client's model, only while it trains
+        # every client's model as of the last checkpoint, in files next to it (client_store.py)
+        self.client_model_states = ClientStateStore()
+        self._stored_marks: dict[int, tuple[tuple, str]] = {}
         self._client_models: list[FLModel] = []
         self._anchor = [torch.zeros(1, requires_grad=True)]
         self.register_buffer("best_acc", torch.tensor(-1.0))
         self.register_buffer("best_round", torch.tensor(-1))
-
-    def build_network(self, name: str, spec: DataSpec) -> FLModel:
-        group_members(name)  # an unknown group fails at construction, before any data is loaded
-        return NoGlobalModel()
 
     # ---- client models ------------------------------------------------------------------------
     @property
@@ -150,7 +136,7 @@ class HeteroMethod(FederatedMethod):
 
     def _uninstall(self) -> None:
         self.model.to("cpu")
-        self.model = self._placeholder
+        self.model = None
 
     @contextlib.contextmanager
     def client_model(self, client: int):
@@ -163,7 +149,7 @@ class HeteroMethod(FederatedMethod):
 
     # ---- optimizer ----------------------------------------------------------------------------
     def local_parameters(self) -> Iterable[nn.Parameter]:
-        if self.model is self._placeholder:
+        if self.model is None:
             return self._anchor
         return [p for p in self.model.parameters() if p.requires_grad] + list(self.extra_local_parameters())
 
@@ -177,9 +163,6 @@ class HeteroMethod(FederatedMethod):
         opt.state.clear()
 
     # ---- the round ----------------------------------------------------------------------------
-    def round_start(self, round_idx: int, clients: list[int]) -> None:
-        self.round_idx = round_idx
-
     def client_start(self, client: int, num_samples: int) -> None:
         self.current_client, self.current_num_samples = client, num_samples
         # Dropout draws (GoogLeNet) are seeded by (seed, round, client): a resumed run trains
@@ -202,10 +185,10 @@ class HeteroMethod(FederatedMethod):
     def receive(self, client: int) -> None:
         """Hook: load what the server sends into the installed client (shared model, W_h, ...)."""
 
-    def training_step(self, batch, batch_idx: int):
+    def minibatch_step(self, batch):
         if self.drops_batch(len(batch[1])):
             return None
-        return super().training_step(batch, batch_idx)
+        return super().minibatch_step(batch)
 
     def drops_batch(self, size: int) -> bool:
         """Whether a local batch of `size` samples is skipped: the incomplete last batch of every
@@ -223,19 +206,20 @@ class HeteroMethod(FederatedMethod):
             return size < full
         return size < 2
 
-    def upload(self) -> dict[str, torch.Tensor]:
-        """What the installed client sends; the only thing that crosses the network."""
+    def upload(self) -> dict:
+        """What the installed client sends, as `ClientUpload` fields (e.g. {"prototypes": ...});
+        the only thing that crosses the network."""
         raise NotImplementedError
 
     def client_end(self) -> ClientUpload:
-        tensors = self.upload()
+        fields = self.upload()
         stats = self.client_stats()
         self.client_done()
         self._uninstall()
         self._bind_optimizer()  # back to the anchor: checkpoints hold no client's parameters
         client, n = self.current_client, self.current_num_samples
         self.current_client = None
-        return ClientUpload(client, n, tensors, stats)
+        return ClientUpload(client, n, stats=stats, **fields)
 
     def client_stats(self) -> dict[str, float]:
         return {}
@@ -301,26 +285,62 @@ class HeteroMethod(FederatedMethod):
     def on_test_epoch_end(self) -> None:
         self._log_client_eval("test/clients")
 
-    def evaluate(self, loader) -> tuple[float, float]:
-        raise RuntimeError("model-heterogeneous methods have no global model; use evaluate_clients()")
+    def finetune_start(self, client: int) -> FLModel:
+        """The client's own model, on the device (personalised evaluation copies it)."""
+        return copy.deepcopy(self._client_models[client]).to(self.device)
 
     # ---- checkpoints --------------------------------------------------------------------------
+    def configure_client_stores(self, directory, cache_size: int) -> None:
+        super().configure_client_stores(directory, cache_size)
+        self.client_model_states.configure(None if directory is None else Path(directory) / "models", cache_size)
+
+    def _changed_models(self) -> list[int]:
+        """Clients whose model differs from what the store holds. A model counts as unchanged
+        if no tensor was replaced or modified in place since it was stored, or, when one was
+        (e.g. moved between devices for evaluation), if its bytes are the same."""
+        changed = []
+        for client, model in enumerate(self._client_models):
+            state = model.state_dict()
+            marks = tuple((t.data_ptr(), t._version) for t in state.values())
+            known = self._stored_marks.get(client)
+            if known is not None and known[0] == marks:
+                continue
+            digest = state_digest(state)
+            if known is not None and known[1] == digest:
+                self._stored_marks[client] = (marks, digest)
+                continue
+            self._stored_marks[client] = (marks, digest)
+            changed.append(client)
+        return changed
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
-        checkpoint["fl_client_models"] = [
-            {k: v.detach().cpu() for k, v in m.state_dict().items()} for m in self._client_models
-        ]
+        # only the models that changed since the last checkpoint are written (the clients that
+        # trained, or all of them when the server sends every client something)
+        for client in self._changed_models():
+            self.client_model_states[client] = self._client_models[client].state_dict()
+        checkpoint["fl_client_models"] = {"num_clients": len(self._client_models),
+                                          **self.client_model_states.checkpoint_state()}
+        self.client_model_states.release()  # the models themselves are in memory already
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)
         saved = checkpoint.get("fl_client_models")
         if saved is None:
             return
+        if isinstance(saved, list):  # a checkpoint from before the client-state store
+            saved = {"num_clients": len(saved), "states": dict(enumerate(saved))}
+        saved = dict(saved)
+        num_clients = saved.pop("num_clients")
         if not self._client_models:
-            self.build_client_models(len(saved))
-        if len(saved) != len(self._client_models):
+            self.build_client_models(num_clients)
+        if num_clients != len(self._client_models):
             raise FLUserError(
-                f"checkpoint holds {len(saved)} client models, the run has {len(self._client_models)}"
+                f"checkpoint holds {num_clients} client models, the run has {len(self._client_models)}"
             )
-        for model, state in zip(self._client_models, saved, strict=True):
-            model.load_state_dict(state)
+        self.client_model_states.load_checkpoint_state(saved)
+        for client, model in enumerate(self._client_models):
+            model.load_state_dict(self.client_model_states[client])
+        self.client_model_states.release()
+        self._stored_marks = {}
+        self._changed_models()  # what is loaded is what the store holds

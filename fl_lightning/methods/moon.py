@@ -19,10 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import ClientUpload
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import SharedModelMethod
 from fl_lightning.methods.common import ServerStateMixin, to_cpu
 from fl_lightning.models import FLModel
+from fl_lightning.uploads import ClientUpload
 
 
 def moon_contrastive_loss(z: torch.Tensor, z_global: torch.Tensor, z_prev: torch.Tensor,
@@ -34,7 +34,7 @@ def moon_contrastive_loss(z: torch.Tensor, z_global: torch.Tensor, z_prev: torch
     return F.cross_entropy(logits, torch.zeros(len(z), dtype=torch.long, device=z.device))
 
 
-class MOON(ServerStateMixin, FederatedMethod):
+class MOON(ServerStateMixin, SharedModelMethod):
     """MOON (Li et al., CVPR 2021): a model-contrastive loss pulls the local representation toward
     the global model's and away from the client's previous one.
 
@@ -77,7 +77,7 @@ class MOON(ServerStateMixin, FederatedMethod):
             z_global = self.global_model.features(x)
             z_prev = self.prev_model.features(x)
         con = moon_contrastive_loss(z, z_global, z_prev, self.hparams.tau)
-        self.log("moon/contrastive_loss", con.detach(), on_step=False, on_epoch=True, batch_size=len(x))
+        self.log_local({"moon/contrastive_loss": con}, len(x))
         return self.hparams.mu * con
 
     def local_loss(self, batch):
@@ -87,5 +87,5 @@ class MOON(ServerStateMixin, FederatedMethod):
 
     def aggregate(self, uploads: list[ClientUpload]) -> None:
         for u in uploads:
-            self.client_states[u.client] = to_cpu(u.tensors)
+            self.client_states[u.client] = to_cpu(u.weights)
         super().aggregate(uploads)

@@ -30,10 +30,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import ClientUpload, weighted_average
 from fl_lightning.methods.base import abstract_base
 from fl_lightning.methods.hetero_base import HeteroMethod
 from fl_lightning.models.hetero import build_group_model
+from fl_lightning.uploads import ClientUpload, weighted_average
 
 
 def kl_to(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -62,11 +62,11 @@ class SharedModelMethod(HeteroMethod):
     def extra_local_parameters(self):
         return list(self.shared.parameters())
 
-    def upload(self) -> dict[str, torch.Tensor]:
-        return {f"shared.{k}": v.detach().clone() for k, v in self.shared.state_dict().items()}
+    def upload(self) -> dict:
+        return {"weights": {f"shared.{k}": v.detach().clone() for k, v in self.shared.state_dict().items()}}
 
     def aggregate(self, uploads: list[ClientUpload]) -> None:
-        avg = weighted_average([u.tensors for u in uploads], [u.num_samples for u in uploads])
+        avg = weighted_average([u.weights for u in uploads], [u.num_samples for u in uploads])
         self.global_shared.load_state_dict({k.removeprefix("shared."): v for k, v in avg.items()})
 
 
@@ -179,12 +179,12 @@ class FedKD(SharedModelMethod):
         shared = ce_g + kl_to(zg, z) / task + hidden
         return local + shared
 
-    def upload(self) -> dict[str, torch.Tensor]:
-        return compress_state(self.shared.state_dict(), self.energy(), "shared.")
+    def upload(self) -> dict:
+        return {"weights": compress_state(self.shared.state_dict(), self.energy(), "shared.")}
 
     def aggregate(self, uploads: list[ClientUpload]) -> None:
         like = self.global_shared.state_dict()
-        states = [decompress_state(u.tensors, like, "shared.") for u in uploads]
+        states = [decompress_state(u.weights, like, "shared.") for u in uploads]
         avg = weighted_average(states, [u.num_samples for u in uploads])
         # the server sends the average back compressed too; clients receive the reconstruction
         sent = compress_state(avg, self.energy(), "")

@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.base import SharedModelMethod
 from fl_lightning.models import FLModel
 
 VARIANTS = ("fo", "hf")
@@ -68,7 +68,7 @@ def split_halves(x: torch.Tensor, y: torch.Tensor):
     return (x[:n1], y[:n1]), (x[n1:], y[n1:])
 
 
-class PerFedAvg(FederatedMethod):
+class PerFedAvg(SharedModelMethod):
     """Per-FedAvg (Fallah et al., NeurIPS 2020): a MAML-style global model that each client
     personalises with a few SGD steps.
 
@@ -131,10 +131,10 @@ class PerFedAvg(FederatedMethod):
         correction = sum((p * hv[n]).sum() for n, p in w.items())  # gradient: hv
         return outer, outer - alpha * correction
 
-    def training_step(self, batch, batch_idx: int):
+    def minibatch_step(self, batch):
         outer, objective = self.meta_objective(batch)
         self.sgd_step(objective)
-        self.log("train/loss", outer.detach(), on_step=False, on_epoch=True, batch_size=len(batch[1]))
+        self.log_local({"train/loss": outer}, len(batch[1]))
         return outer.detach()
 
     def personal_model(self, client: int) -> FLModel:

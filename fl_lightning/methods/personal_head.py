@@ -69,12 +69,12 @@ import copy
 import torch
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import ClientUpload, weighted_average
-from fl_lightning.methods.base import FederatedMethod, abstract_base
+from fl_lightning.methods.base import SharedModelMethod, abstract_base
+from fl_lightning.uploads import ClientUpload, weighted_average
 
 
 @abstract_base
-class PersonalHeadMethod(FederatedMethod):
+class PersonalHeadMethod(SharedModelMethod):
     """Shared body averaged by the server, personal head kept by each client (FedPer, FedRep).
 
     Args:
@@ -149,7 +149,7 @@ class PersonalHeadMethod(FederatedMethod):
 
     # ---- server -------------------------------------------------------------------------------
     def aggregate(self, uploads: list[ClientUpload]) -> None:
-        avg = weighted_average([u.tensors for u in uploads], [u.num_samples for u in uploads])
+        avg = weighted_average([u.weights for u in uploads], [u.num_samples for u in uploads])
         for k in self.personal_keys:  # the global head stays the initial one, bit for bit
             avg[k] = self.global_weights[k]
         self.load_global(self.server_step(avg))
@@ -222,11 +222,11 @@ class FedRep(PersonalHeadMethod):
         self._load_part(self._frozen_state)
         self._frozen_state = {}
 
-    def training_step(self, batch, batch_idx: int):
+    def minibatch_step(self, batch):
         if self.phase == "head" and self.local_step == self.head_steps:
             self.end_phase()
             self.start_phase("body")
-        return super().training_step(batch, batch_idx)
+        return super().minibatch_step(batch)
 
     def client_end(self) -> ClientUpload:
         self.end_phase()

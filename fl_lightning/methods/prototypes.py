@@ -29,11 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import ClientUpload
 from fl_lightning.methods.base import abstract_base
 from fl_lightning.methods.hetero_base import HeteroMethod
-
-PROTO_PREFIX = "proto/"
+from fl_lightning.uploads import ClientUpload
 
 
 # ---- shared pieces ------------------------------------------------------------------------------
@@ -54,18 +52,18 @@ def class_prototypes(model: nn.Module, loader, device) -> dict[int, torch.Tensor
     return {c: sums[c] / counts[c] for c in sorted(sums)}
 
 
-def prototype_upload(protos: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {f"{PROTO_PREFIX}{c}": p.detach() for c, p in protos.items()}
+def prototype_upload(protos: dict[int, torch.Tensor]) -> dict[str, dict[int, torch.Tensor]]:
+    """The upload of a client that sends only its class prototypes."""
+    return {"prototypes": {c: p.detach() for c, p in protos.items()}}
 
 
 def uploaded_pairs(uploads: list[ClientUpload], device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every received (client prototype, class) pair as a (M, K) matrix and (M,) labels."""
     protos, labels = [], []
     for u in uploads:
-        for key, p in u.tensors.items():
-            if key.startswith(PROTO_PREFIX):
-                protos.append(p.to(device))
-                labels.append(int(key[len(PROTO_PREFIX) :]))
+        for c, p in u.prototypes.items():
+            protos.append(p.to(device))
+            labels.append(int(c))
     return torch.stack(protos), torch.tensor(labels, device=device)
 
 
@@ -203,7 +201,7 @@ class PrototypeMethod(HeteroMethod):
             loss = loss + self.proto_weight() * self.proto_regularizer(feats, y)
         return loss
 
-    def upload(self) -> dict[str, torch.Tensor]:
+    def upload(self) -> dict:
         return prototype_upload(
             class_prototypes(self.model, self.client_train_loader(self.current_client), self.device)
         )

@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from fl_lightning.federation import ClientUpload, weighted_average
-from fl_lightning.methods.base import FederatedMethod
-from fl_lightning.methods.common import ServerStateMixin, effective_steps, split_upload, state_or_zeros, to_cpu
-
-DELTA_C = "scaffold.delta_c."
+from fl_lightning.methods.base import SharedModelMethod
+from fl_lightning.methods.common import ServerStateMixin, effective_steps, state_or_zeros, to_cpu
+from fl_lightning.uploads import ClientUpload, weighted_average
 
 
-class SCAFFOLD(ServerStateMixin, FederatedMethod):
+class SCAFFOLD(ServerStateMixin, SharedModelMethod):
     """SCAFFOLD (Karimireddy et al., ICML 2020): control variates correct the clients' drift.
 
     Args:
@@ -69,14 +67,14 @@ class SCAFFOLD(ServerStateMixin, FederatedMethod):
         for n, p in self.model.named_parameters():
             if n in self.server_c:
                 # delta c_i = c_i+ - c_i = -c + (w_g - w_i) / (K_eff * lr)
-                upload.tensors[DELTA_C + n] = (g[n] - p.detach()) / scale - self.server_c[n]
+                upload.control_delta[n] = (g[n] - p.detach()) / scale - self.server_c[n]
         return upload
 
     def aggregate(self, uploads: list[ClientUpload]) -> None:
-        splits = [split_upload(u.tensors, DELTA_C) for u in uploads]
-        avg = weighted_average([s[0] for s in splits], [u.num_samples for u in uploads])
+        avg = weighted_average([u.weights for u in uploads], [u.num_samples for u in uploads])
         num_clients = self.trainer.datamodule.num_clients
-        for u, (_, delta) in zip(uploads, splits, strict=True):
+        for u in uploads:
+            delta = u.control_delta
             old = self.client_states.get(u.client)
             new = {n: d.detach() + (0 if old is None else old[n].to(d.device)) for n, d in delta.items()}
             self.client_states[u.client] = to_cpu(new)

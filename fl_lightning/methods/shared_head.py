@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import ClientUpload, weighted_average
 from fl_lightning.methods.base import abstract_base
 from fl_lightning.methods.hetero_base import HeteroMethod
 from fl_lightning.methods.prototypes import class_prototypes, prototype_upload, train_on_pairs, uploaded_pairs
+from fl_lightning.uploads import ClientUpload, weighted_average
 
 HEAD_PREFIX = "head."
 
@@ -49,11 +49,11 @@ class LGFedAvg(SharedHeadMethod):
         super().__init__(**kwargs)
         self.save_hyperparameters()
 
-    def upload(self) -> dict[str, torch.Tensor]:
-        return {f"{HEAD_PREFIX}{k}": v.detach().clone() for k, v in self.model.head.state_dict().items()}
+    def upload(self) -> dict:
+        return {"weights": {f"{HEAD_PREFIX}{k}": v.detach().clone() for k, v in self.model.head.state_dict().items()}}
 
     def aggregate(self, uploads: list[ClientUpload]) -> None:
-        heads = [{k: v for k, v in u.tensors.items() if k.startswith(HEAD_PREFIX)} for u in uploads]
+        heads = [{k: v for k, v in u.weights.items() if k.startswith(HEAD_PREFIX)} for u in uploads]
         avg = weighted_average(heads, [u.num_samples for u in uploads])
         self.global_head.load_state_dict({k.removeprefix(HEAD_PREFIX): v for k, v in avg.items()})
         self.broadcast_head()
@@ -76,7 +76,7 @@ class FedGH(SharedHeadMethod):
             raise FLUserError("server_epochs and server_batch_size must be >= 1 and server_lr > 0")
         self.save_hyperparameters()
 
-    def upload(self) -> dict[str, torch.Tensor]:
+    def upload(self) -> dict:
         return prototype_upload(
             class_prototypes(self.model, self.client_train_loader(self.current_client), self.device)
         )
