@@ -23,7 +23,9 @@ import torch
 from fl_lightning.checkpointing import atomic_write_bytes
 from fl_lightning.loggers import update_wandb_summary
 
-ACCURACY_KEY = "global/test_acc"
+# The run's accuracy: the global model's on the global test set, or, for model-heterogeneous methods
+# (no global model), the clients' own models on their own test sets (hetero_base.py).
+ACCURACY_KEYS = ("global/test_acc", "clients/test_acc")
 
 
 def _number(value: Any) -> float | None:
@@ -94,18 +96,20 @@ class ResultsCallback(L.Callback):
         return self._elapsed_before + time.monotonic() - self._started
 
     def summary(self, trainer: L.Trainer, pl_module, finished: bool) -> dict[str, Any]:
-        scored = [r for r in self.rows if ACCURACY_KEY in r and math.isfinite(r[ACCURACY_KEY])]
+        key = next((k for k in ACCURACY_KEYS if any(k in r for r in self.rows)), ACCURACY_KEYS[0])
+        scored = [r for r in self.rows if key in r and math.isfinite(r[key])]
         final = scored[-1] if scored else None
-        best = max(scored, key=lambda r: r[ACCURACY_KEY]) if scored else None  # first of equals
+        best = max(scored, key=lambda r: r[key]) if scored else None  # first of equals
         failed = any(bool(getattr(cb, "_collapse", {}).get("failed_at")) for cb in trainer.callbacks)
         return {
             "method": type(pl_module).__name__,
             "rounds_completed": self.rows[-1]["round"] if self.rows else 0,
             "max_rounds": trainer.max_epochs,
             "finished": finished,
-            "final_acc": final[ACCURACY_KEY] if final else None,
+            "accuracy": key,
+            "final_acc": final[key] if final else None,
             "final_round": final["round"] if final else None,
-            "best_acc": best[ACCURACY_KEY] if best else None,
+            "best_acc": best[key] if best else None,
             "best_round": best["round"] if best else None,
             "wall_time_s": round(self.wall_time(), 3),
             "diverged": self.diverged or any(not math.isfinite(r.get("global/test_loss", 0.0)) for r in self.rows),

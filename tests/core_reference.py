@@ -6,6 +6,10 @@ behaviour with augmentation off (test_core_regression.py).
 
     .venv/bin/python tests/core_reference.py tests/data/core_v1_reference.pt
 
+except FedORGP's entry, produced the same way at cc5df0b: the old core plus the heterogeneous
+methods' drop of each local epoch's incomplete last batch (issue 9, finding 8), a change of
+behaviour the new core keeps.
+
 The new core (one Trainer batch per client, mini-batches sliced from tensors on the device) must
 reproduce it. Only public behaviour is read: the global model's state_dict, SCAFFOLD's per-client
 c_i and server c, FedORGP's global prototypes and every client's own model.

@@ -10,7 +10,7 @@ import torch
 import torchvision.models as tvm
 from fl_test_utils import register_tensors
 
-from fl_lightning.data.datamodule import FederatedDataModule, RoundBatchSampler
+from fl_lightning.data.datamodule import FederatedDataModule
 from fl_lightning.data.datasets import DataSpec, load_dataset
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import FederatedCallback
@@ -234,7 +234,7 @@ def test_incomplete_last_batch_is_dropped():
     start = copy.deepcopy(method.client_models[0]).train()
     _trainer(1, enable_checkpointing=False).fit(method, dm)
 
-    full, tail = list(RoundBatchSampler(dm.client_parts, dm.plan_round(0), 1, 32, seed=0))
+    full, tail = dm.plan_round(0).clients[0].batches
     assert (len(full), len(tail)) == (32, 2)
 
     def step(model, idx):

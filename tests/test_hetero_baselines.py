@@ -136,6 +136,19 @@ def test_svd_compression_keeps_the_smallest_rank_holding_the_energy():
     torch.testing.assert_close(back["b"], state["b"])
 
 
+def test_a_non_finite_matrix_travels_uncompressed_to_the_divergence_check():
+    """FedKD crashed (LAPACK: SVD did not converge) when a client's weights went NaN; the NaN must
+    instead reach the federation's finiteness check, which applies the divergence policy."""
+    m = torch.randn(5, 4)
+    m[2, 1] = float("nan")
+    assert len(svd_compress(m, 0.9)) == 1
+    state = {"w": m, "b": torch.ones(3)}
+    packed = compress_state(state, 0.9, "shared.")
+    assert set(packed) == {"shared.w", "shared.b"}
+    back = decompress_state(packed, state, "shared.")
+    assert torch.equal(back["w"].isnan(), m.isnan())
+
+
 def test_fedkd_uploads_compressed_shared_model_and_keeps_w_h_local():
     method, dm, x, y, uploads = _two_clients(FedKD)
     fit(method, dm, rounds=1)

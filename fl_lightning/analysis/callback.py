@@ -197,8 +197,12 @@ class AnalysisCallback(L.Callback):
                 fed = _federation(trainer)
                 n = fed.local_eval_samples if fed is not None else 1000
             loader = trainer.datamodule.global_test_subset_loader(n)
-            dataset = loader.dataset  # indexed directly: iterating the loader would draw from the global RNG
-            self._test_subset = _stack(dataset, np.arange(len(dataset)))
+            # Read directly: iterating a DataLoader draws its base seed from the global RNG.
+            dataset = loader.dataset
+            if hasattr(dataset, "batches"):  # evaluation batches already sliced on the device
+                self._test_subset = tuple(torch.cat(parts) for parts in zip(*dataset.batches, strict=True))
+            else:
+                self._test_subset = _stack(dataset, np.arange(len(dataset)))
         return tuple(t.to(device) for t in self._test_subset)
 
     # ---- the every-round statistics -----------------------------------------------------------

@@ -36,7 +36,7 @@ def sample_clients(num_clients: int, sample_ratio: float, seed: int, round_idx: 
     return sorted(int(c) for c in rng.choice(num_clients, size=k, replace=False))
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)  # not frozen: Lightning's precision plugins rebuild batch dataclasses field by field
 class ClientWork:
     """One Trainer batch: everything a sampled client needs to run its local training.
 

@@ -216,8 +216,9 @@ class FederatedMethod(L.LightningModule):
         """One Trainer batch is one client: its whole local training, one `minibatch_step` per
         local mini-batch (sliced on the device by the data module). The federated callback has
         started the client before this and ends it after."""
+        convert = self.trainer.precision_plugin.convert_input  # e.g. float64 inputs for 64-true
         for batch in self.trainer.datamodule.minibatches(work):
-            self.minibatch_step(batch)
+            self.minibatch_step(convert(batch))
 
     def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
         if isinstance(batch, ClientWork):  # indices only; its mini-batches are made on the device

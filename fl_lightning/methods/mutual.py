@@ -96,9 +96,15 @@ class FML(SharedModelMethod):
 def svd_compress(t: torch.Tensor, energy: float) -> tuple[torch.Tensor, ...]:
     """(U_r, S_r, V_r) of t reshaped to (shape[0], -1), r = smallest rank holding `energy` of
     sum(S^2); vectors and scalars travel as they are."""
-    if t.ndim < 2:
+    matrix = t.reshape(t.shape[0], -1).float() if t.ndim >= 2 else t
+    if t.ndim < 2 or not bool(torch.isfinite(matrix).all()):
+        # A non-finite matrix has no SVD (LAPACK fails to converge): it travels as it is, so the
+        # federation's divergence policy sees the NaN instead of a crash inside the upload.
         return (t,)
-    u, s, vh = torch.linalg.svd(t.reshape(t.shape[0], -1).float(), full_matrices=False)
+    try:
+        u, s, vh = torch.linalg.svd(matrix, full_matrices=False)
+    except torch.linalg.LinAlgError:  # an ill-conditioned finite matrix: float64 converges
+        u, s, vh = (part.float() for part in torch.linalg.svd(matrix.double(), full_matrices=False))
     kept = torch.cumsum(s**2, 0) / (s**2).sum().clamp_min(1e-30)
     r = min(int((kept < energy).sum()) + 1, len(s))
     return u[:, :r].contiguous(), s[:r].contiguous(), vh[:r].contiguous()
