@@ -28,7 +28,7 @@ table-demo: $(STAMP)
 	$(BIN)/fl-lightning report runs/demo_mnist5k --compare configs/tables/demo_mnist5k.yaml
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 lint: $(STAMP)
 	$(BIN)/ruff check fl_lightning tests benchmarks

@@ -283,3 +283,18 @@ def test_a_damaged_wandb_file_is_an_error_not_missing_rows(tmp_path):
     (tmp_path / "flipped.wandb").write_bytes(bytes(data))
     with pytest.raises(ValueError, match="checksum|exit record"):
         read_offline_history(tmp_path / "flipped.wandb")
+
+
+def test_summary_of_a_model_heterogeneous_run_uses_the_clients_accuracy(tmp_path):
+    from types import SimpleNamespace
+
+    from fl_lightning.results import ResultsCallback
+
+    results = ResultsCallback(tmp_path)
+    results.rows = [{"round": 1, "clients/test_acc": 0.5}, {"round": 2, "clients/test_acc": 0.7},
+                    {"round": 3, "clients/test_acc": 0.6}]
+    trainer = SimpleNamespace(callbacks=[], max_epochs=3)
+    summary = results.summary(trainer, object(), finished=True)
+    assert summary["accuracy"] == "clients/test_acc"
+    assert (summary["final_acc"], summary["final_round"]) == (0.6, 3)
+    assert (summary["best_acc"], summary["best_round"]) == (0.7, 2)
