@@ -15,13 +15,14 @@ being written, leaves every state the surviving checkpoint needs.
 from __future__ import annotations
 
 import hashlib
-import os
 from collections import OrderedDict
 from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
+
+from fl_lightning.checkpointing import atomic_write_bytes
 
 State = dict[str, torch.Tensor]
 
@@ -37,16 +38,7 @@ def state_digest(state: State) -> str:
 
 
 def write_atomically(state: State, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, str(tmp))
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # the rename itself survives a power cut
-    finally:
-        os.close(dir_fd)
+    atomic_write_bytes(path, save({k: v.detach().cpu().contiguous() for k, v in state.items()}))
 
 
 def read_client_states(saved: dict) -> dict[int, State]:

@@ -53,7 +53,8 @@ class RunDirectory:
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self._lock_fd = fd
-        for directory in (self.root, self.root / "checkpoints"):  # left by a process killed mid-write
+        # left by a process killed mid-write (results, checkpoint, client-state files)
+        for directory in (self.root, self.root / "checkpoints", self.root / "checkpoints" / "client_states"):
             remove_stray_temporaries(directory)
 
     def unlock(self) -> None:

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from fl_lightning.checkpointing import atomic_write_bytes
 from fl_lightning.errors import FLUserError
 
 SEARCH_METHODS = ("grid", "random", "bayes")
@@ -434,9 +435,7 @@ class LocalSweep:
         path = self.record_path(run)
         record = read_json(path) or {}
         record.update(name=run.name, index=run.index, params=run.params, **fields)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1, default=str))
-        os.replace(tmp, path)  # a kill never leaves a half-written record
+        atomic_write_bytes(path, json.dumps(record, indent=1, default=str).encode())  # never half-written
         return record
 
     def command(self, run: PlannedRun) -> tuple[list[str], str]:

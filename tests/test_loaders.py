@@ -144,14 +144,19 @@ def test_medmnist_npz(tmp_path):
     assert_tensors_equal_samples(train)
 
 
-def test_cinic10_image_folder(tmp_path):
+def write_cinic10_folder(root):
+    """One random 32x32 PNG per class (airplane, bird) and split, in CINIC-10's folder layout."""
     from PIL import Image
 
     for split in ("train", "test"):
         for cls in ("airplane", "bird"):
-            d = tmp_path / "cinic10" / split / cls
+            d = root / "cinic10" / split / cls
             d.mkdir(parents=True)
             Image.fromarray(RNG.integers(0, 256, size=(32, 32, 3), dtype=np.uint8)).save(d / "0.png")
+
+
+def test_cinic10_image_folder(tmp_path):
+    write_cinic10_folder(tmp_path)
     train, test = load_dataset("cinic10", tmp_path, download=False, augment=False)
     assert len(train) == 2 and sorted(train.labels.tolist()) == [0, 1]
     assert train[0][0].shape == (3, 32, 32)
@@ -299,13 +304,7 @@ def test_medmnist_npz_of_the_wrong_arrays(tmp_path, arrays, reason):
 
 
 def test_damaged_cinic10_image_names_the_image(tmp_path):
-    from PIL import Image
-
-    for split in ("train", "test"):
-        for cls in ("airplane", "bird"):
-            d = tmp_path / "cinic10" / split / cls
-            d.mkdir(parents=True)
-            Image.fromarray(RNG.integers(0, 256, size=(32, 32, 3), dtype=np.uint8)).save(d / "0.png")
+    write_cinic10_folder(tmp_path)
     bad = tmp_path / "cinic10" / "train" / "bird" / "0.png"
     bad.write_bytes(bad.read_bytes()[:40])
     train, _ = load_dataset("cinic10", tmp_path, download=False, augment=False)
