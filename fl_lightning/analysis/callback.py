@@ -48,7 +48,7 @@ SURFACE_KINDS = (*DIRECTION_KINDS, "none")
 def has_global_model(pl_module) -> bool:
     """Shared-model methods are analysed through their global model; model-heterogeneous ones
     (HeteroMethod, one model per client) through their clients' models."""
-    from fl_lightning.methods.hetero_base import HeteroMethod
+    from fl_lightning.methods.hetero.base import HeteroMethod
 
     return not isinstance(pl_module, HeteroMethod)
 

@@ -22,7 +22,7 @@ Personalised evaluation starts fine-tuning from `finetune_start(client)`, whiche
 
 Every local step should go through `sgd_step(loss)` (backward, `after_backward`, optimizer step,
 `after_optimizer_step`): the base `after_optimizer_step` enforces the FedCONST constraint
-(`constraint` option, methods/fedconst.py), so overrides must call super().
+(`constraint` option, fedconst.py), so overrides must call super().
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ from fl_lightning.client_store import ClientStateStore
 from fl_lightning.data.datamodule import ClientWork
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.common import to_cpu
-from fl_lightning.methods.fedconst import CONSTRAINT_MODES, ChannelConstraint, constrained_names
+from fl_lightning.fedconst import CONSTRAINT_MODES, ChannelConstraint, constrained_names
 from fl_lightning.models import FLModel, build_model
+from fl_lightning.state import to_cpu
 from fl_lightning.uploads import ClientUpload, weighted_average
 
 
@@ -80,7 +80,7 @@ class FederatedMethod(L.LightningModule):
         server_lr: global step size on the averaged update (1.0 = plain FedAvg).
         data_spec: classes / channels / image size; the CLI links it from the data module.
         constraint: FedCONST's per-channel convex constraints on the local update (see
-            methods/fedconst.py): "none", "joint" (exact projection) or "sequential" (the paper's
+            fedconst.py): "none", "joint" (exact projection) or "sequential" (the paper's
             Algorithm 1 order). Applied in `after_optimizer_step`, so every method that steps
             through `sgd_step` gets it ("+ CONST").
     """

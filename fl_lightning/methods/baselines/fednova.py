@@ -12,7 +12,7 @@ is not reproduced. Non-parameter buffers (e.g. BN statistics) are averaged as in
 from __future__ import annotations
 
 from fl_lightning.methods.base import SharedModelMethod
-from fl_lightning.methods.common import effective_steps
+from fl_lightning.state import effective_steps
 from fl_lightning.uploads import ClientUpload, weighted_average
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import SharedModelMethod
-from fl_lightning.methods.common import ServerStateMixin, state_or_zeros, to_cpu
+from fl_lightning.state import ServerStateMixin, state_or_zeros, to_cpu
 from fl_lightning.uploads import ClientUpload, weighted_average
 
 

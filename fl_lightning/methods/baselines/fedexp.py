@@ -15,7 +15,7 @@ import torch
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import SharedModelMethod
-from fl_lightning.methods.common import ServerStateMixin, to_device
+from fl_lightning.state import ServerStateMixin, to_device
 from fl_lightning.uploads import ClientUpload, weighted_average
 
 

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import SharedModelMethod
-from fl_lightning.methods.common import ServerStateMixin, to_cpu
 from fl_lightning.models import FLModel
+from fl_lightning.state import ServerStateMixin, to_cpu
 from fl_lightning.uploads import ClientUpload
 
 

@@ -17,8 +17,8 @@ from torch import nn
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import abstract_base
-from fl_lightning.methods.hetero_base import HeteroMethod
-from fl_lightning.methods.prototypes import class_prototypes, prototype_upload, train_on_pairs, uploaded_pairs
+from fl_lightning.methods.hetero.base import HeteroMethod
+from fl_lightning.methods.hetero.prototypes import class_prototypes, prototype_upload, train_on_pairs, uploaded_pairs
 from fl_lightning.uploads import ClientUpload, weighted_average
 
 HEAD_PREFIX = "head."

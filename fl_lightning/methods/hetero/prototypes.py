@@ -30,7 +30,7 @@ from torch import nn
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import abstract_base
-from fl_lightning.methods.hetero_base import HeteroMethod
+from fl_lightning.methods.hetero.base import HeteroMethod
 from fl_lightning.uploads import ClientUpload
 
 

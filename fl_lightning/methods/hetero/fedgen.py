@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.shared_head import HEAD_PREFIX, LGFedAvg
+from fl_lightning.methods.hetero.lgfedavg_fedgh import HEAD_PREFIX, LGFedAvg
 from fl_lightning.uploads import ClientUpload
 
 

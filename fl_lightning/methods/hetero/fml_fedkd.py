@@ -31,7 +31,7 @@ from torch import nn
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import abstract_base
-from fl_lightning.methods.hetero_base import HeteroMethod
+from fl_lightning.methods.hetero.base import HeteroMethod
 from fl_lightning.models.hetero import build_group_model
 from fl_lightning.uploads import ClientUpload, weighted_average
 
@@ -42,7 +42,7 @@ def kl_to(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
 
 
 @abstract_base
-class SharedModelMethod(HeteroMethod):
+class MutualLearningMethod(HeteroMethod):
     """Keeps the server's shared model and the installed client's working copy of it.
 
     Args:
@@ -70,7 +70,7 @@ class SharedModelMethod(HeteroMethod):
         self.global_shared.load_state_dict({k.removeprefix("shared."): v for k, v in avg.items()})
 
 
-class FML(SharedModelMethod):
+class FML(MutualLearningMethod):
     """Federated Mutual Learning (Shen et al.): each client's model and the shared model teach each other.
 
     Args:
@@ -139,7 +139,7 @@ def decompress_state(tensors: dict[str, torch.Tensor], like: dict[str, torch.Ten
     return out
 
 
-class FedKD(SharedModelMethod):
+class FedKD(MutualLearningMethod):
     """FedKD: adaptive mutual distillation with hidden-state alignment and SVD-compressed exchange.
 
     Args:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.methods.base import SharedModelMethod
-from fl_lightning.methods.common import ServerStateMixin, effective_steps, state_or_zeros, to_cpu
+from fl_lightning.state import ServerStateMixin, effective_steps, state_or_zeros, to_cpu
 from fl_lightning.uploads import ClientUpload, weighted_average
 
 
