@@ -20,9 +20,10 @@ validation loop, checkpoints and `validate`/`test` see it with no extra plumbing
 `hetero_base.HeteroMethod` (each client its own architecture, evaluated on its own test split).
 Personalised evaluation starts fine-tuning from `finetune_start(client)`, whichever the family.
 
-Every local step should go through `sgd_step(loss)` (backward, `after_backward`, optimizer step,
-`after_optimizer_step`): the base `after_optimizer_step` enforces the FedCONST constraint
-(`constraint` option, fedconst.py), so overrides must call super().
+Every local step should go through `sgd_step(loss)` (backward, `after_backward`, gradient clipping
+(`--trainer.gradient_clip_val`), optimizer step, `after_optimizer_step`): the base
+`after_optimizer_step` enforces the FedCONST constraint (`constraint` option, fedconst.py), so
+overrides must call super().
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ class FederatedMethod(L.LightningModule):
         self._base_after_step_ran = False
         self._local_logs: dict[str, tuple[list, list[int]]] = {}
         self._direct_steps = False  # see sgd_step
+        self._gradient_clip: tuple[float, str] = (0.0, "norm")  # see clip_local_gradients
 
     # ---- optimizer ----------------------------------------------------------------------------
     def local_parameters(self) -> Iterable[nn.Parameter]:
@@ -151,6 +153,10 @@ class FederatedMethod(L.LightningModule):
 
     def on_train_start(self) -> None:
         self._direct_steps = self._steps_need_no_lightning_wrappers()
+        # --trainer.gradient_clip_val / _algorithm: Lightning refuses them under manual
+        # optimization, so the CLI's Trainer (analysis/command.py:FLTrainer) keeps them for us
+        self._gradient_clip = (float(getattr(self.trainer, "local_gradient_clip_val", 0.0) or 0.0),
+                               getattr(self.trainer, "local_gradient_clip_algorithm", "norm"))
 
     def _steps_need_no_lightning_wrappers(self) -> bool:
         """True on one device with 32-bit precision when neither a callback nor the module
@@ -160,7 +166,7 @@ class FederatedMethod(L.LightningModule):
         if type(trainer.strategy) is not SingleDeviceStrategy or type(trainer.precision_plugin) is not Precision:
             return False
         hooks = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
-        listeners = [(type(cb), L.Callback) for cb in trainer.callbacks] + [(type(self), L.LightningModule)]
+        listeners = [(type(cb), L.Callback) for cb in trainer.callbacks] + [(type(self), FederatedMethod)]
         return not any(getattr(cls, h) is not getattr(base, h) for cls, base in listeners for h in hooks)
 
     # ---- the round (each sibling implements these) ---------------------------------------------
@@ -256,10 +262,12 @@ class FederatedMethod(L.LightningModule):
         opt = self.optimizers()
         if self._direct_steps:
             # one device, 32-bit, no per-step hook anyone listens to: Lightning's backward and step
-            # wrappers would only dispatch empty hooks; the step counter still advances
+            # wrappers would only dispatch empty hooks (and this module's on_before_optimizer_step,
+            # called here instead); the step counter still advances
             opt.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.after_backward()
+            self.on_before_optimizer_step(opt.optimizer)
             opt.optimizer.step()
             progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
             progress.increment_ready()
@@ -278,6 +286,22 @@ class FederatedMethod(L.LightningModule):
 
     def after_backward(self) -> None:
         """Hook between backward and step: gradient corrections (SCAFFOLD, constraints)."""
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Lightning calls this right before every local step (`sgd_step` calls it itself on its
+        direct path), after a loss scaler has unscaled the gradients: the place to clip them.
+        Overrides must call super()."""
+        self.clip_local_gradients(optimizer)
+
+    def clip_local_gradients(self, optimizer) -> None:
+        """`--trainer.gradient_clip_val` / `--trainer.gradient_clip_algorithm` on every local step,
+        through Lightning's `clip_gradients` (its precision plugin). The clipped gradient is the one
+        the optimizer steps with: after `after_backward`'s corrections (SCAFFOLD's c - c_i, FedSOL's
+        projection), and after any perturbation (FedSAM/FedSOL's perturbed gradient); weight decay
+        and momentum come after, inside the optimizer, as with Lightning's automatic clipping."""
+        clip_val, algorithm = self._gradient_clip
+        if clip_val > 0:
+            self.clip_gradients(optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm)
 
     def after_optimizer_step(self) -> None:
         """Hook after every local step: projections that must hold after momentum/weight decay.
