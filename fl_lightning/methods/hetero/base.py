@@ -5,7 +5,7 @@ model k mod |group|) and keeps it across rounds. How that fits the contract of `
 
 - The N client models live in a plain list, not as submodules, so Lightning neither moves them
   to the accelerator nor puts them in `state_dict`. They stay on the CPU; `client_start` moves the
-  client's model to the device and installs it as `self.model` (so `local_loss`, `sgd_step`,
+  client's model to the device and installs it as `self.model` (so `loss`, `sgd_step`,
   `predict_logits` work unchanged), `client_end` moves it back. Between clients `self.model` is
   None: there is no global model.
 - The local optimizer is created once (Lightning's `configure_optimizers`) over a one-element
