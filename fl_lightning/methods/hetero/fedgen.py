@@ -130,7 +130,7 @@ class FedGen(LGFedAvg):
 
     def on_client_models_built(self) -> None:
         super().on_client_models_built()
-        num_clients, c = len(self.client_models), self.hparams.data_spec.num_classes
+        num_clients, c = self._num_clients, self.hparams.data_spec.num_classes
         self.client_label_counts = torch.zeros(num_clients, c, device=self.client_label_counts.device)
 
     # ---- client -------------------------------------------------------------------------------
