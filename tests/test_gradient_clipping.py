@@ -17,7 +17,7 @@ from torch.func import functional_call
 
 from fl_lightning.analysis.command import FLTrainer
 from fl_lightning.cli import main
-from fl_lightning.methods import FedAvg, FedSAM
+from fl_lightning.methods import Ditto, FedAvg, FedSAM
 
 LR, MOM, WD = 0.1, 0.9, 1e-3
 
@@ -107,6 +107,25 @@ def test_fedsam_clips_the_perturbed_gradient_it_steps_with():
     got = {k: v.detach() for k, v in method.model.named_parameters()}
     for k, v in expected.items():
         torch.testing.assert_close(got[k], v, atol=1e-6, rtol=1e-5)
+
+
+def test_ditto_clips_both_tracks():
+    """The global track (FedAvg's step) and the personal model v_k (CE + lam/2 prox) are clipped."""
+    lam, clip_val = 0.5, 0.05
+    method, dm, x, y, w0 = setup(Ditto, steps=2, lam=lam)
+
+    def personal_grad(w):
+        loss = F.cross_entropy(functional_call(method.model, w, (x,)), y)
+        loss = loss + 0.5 * lam * sum(((w[k] - w0[k]) ** 2).sum() for k in w)
+        return clip_by_norm(dict(zip(w, torch.autograd.grad(loss, list(w.values())), strict=True)), clip_val)
+
+    global_track = reference_sgd(w0, lambda w: clip_by_norm(ce_grad(method.model, x, y)(w), clip_val), 2, LR, MOM, WD)
+    personal = reference_sgd(w0, personal_grad, 2, LR, MOM, WD)
+    fit(method, dm, trainer_class=FLTrainer, gradient_clip_val=clip_val)
+    got = {k: v.detach() for k, v in method.model.named_parameters()}
+    for k, v in global_track.items():
+        torch.testing.assert_close(got[k], v, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(method.client_states[0][k], personal[k], atol=1e-6, rtol=1e-5)
 
 
 def test_no_clipping_by_default_and_with_zero():
