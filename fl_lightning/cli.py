@@ -36,6 +36,7 @@ from fl_lightning.errors import FLUserError
 from fl_lightning.federation import FederatedCallback, FLDivergedError
 from fl_lightning.loggers import describe_wandb_run
 from fl_lightning.methods import FederatedMethod
+from fl_lightning.parallel import client_strategy_name
 from fl_lightning.personalization import PersonalizationCallback
 from fl_lightning.progress import RoundProgressBar
 from fl_lightning.results import ResultsCallback
@@ -116,6 +117,11 @@ class FLCLI(LightningCLI):
         init = getattr(logger, "init_args", None)
         if init is not None and "save_dir" in init and init.save_dir is None:
             init.save_dir = root
+        strategy = trainer.get("strategy")
+        federation = cfg.get("federation") or {}
+        if isinstance(strategy, str) and federation.get("parallel", "clients") == "clients":
+            # DDP processes train different clients (parallel.py): Lightning's DDP minus the wrapper
+            trainer["strategy"] = client_strategy_name(strategy) or strategy
         overwrite = bool(cfg.get("overwrite"))
         cfg["overwrite"] = False  # not saved into config.yaml: re-running that file must not wipe this run
         if self.subcommand == "fit" and is_first_process():

@@ -59,6 +59,8 @@ class HeteroMethod(FederatedMethod):
         lr_decay: local lr multiplied by this after every round (HtFL papers: 1, no decay).
     """
 
+    runs_clients_in_parallel = False  # its client models are not yet moved between processes
+
     def __init__(
         self,
         model: str = "HMG8",
@@ -118,9 +120,10 @@ class HeteroMethod(FederatedMethod):
                 "data.client_test_fraction (the papers use 0.25)"
             )
         if self.trainer.world_size > 1:
-            # The installed client model is swapped in after DDP has wrapped the module, so its
-            # gradients would not be synchronised across ranks.
-            raise FLUserError("model-heterogeneous methods run on one device; set --trainer.devices 1")
+            # Batch parallelism: the installed client model is swapped in after DDP has wrapped the
+            # module, so its gradients would not be synchronised across ranks. Client parallelism:
+            # the client models are not yet moved between processes.
+            raise FLUserError("model-heterogeneous methods run on one process; set --trainer.devices 1")
         if not self._client_models:
             self.build_client_models(dm.num_clients)
         elif len(self._client_models) != dm.num_clients:
@@ -165,22 +168,12 @@ class HeteroMethod(FederatedMethod):
     # ---- the round ----------------------------------------------------------------------------
     def client_start(self, client: int, num_samples: int) -> None:
         self.current_client, self.current_num_samples = client, num_samples
-        # Dropout draws (GoogLeNet) are seeded by (seed, round, client): a resumed run trains
-        # exactly as an uninterrupted one.
-        torch.manual_seed(self.run_seed() * 1_000_003 + self.round_idx * 10_007 + client)
+        self.seed_client(client)
         self._install(client)
         self.receive(client)
         self._bind_optimizer()
         self.local_step = 0
         self.model.train()
-
-    def run_seed(self) -> int:
-        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        return int(dm.hparams.seed) if dm is not None else 0
-
-    def server_seed(self) -> int:
-        """Seeds the server's random draws of this round (shuffles, generator samples)."""
-        return self.run_seed() * 1_000_003 + self.round_idx
 
     def receive(self, client: int) -> None:
         """Hook: load what the server sends into the installed client (shared model, W_h, ...)."""
