@@ -79,6 +79,10 @@ class FederatedCallback(L.Callback):
         self._starts: dict[int, Any] = {}
         self._ends: dict[int, Any] = {}
         self._uploads: list[ClientUpload] = []
+        self._all_uploads: list[ClientUpload] = []
+        # set by a callback that reads every client's upload each round (analysis divergence): with
+        # clients in parallel the uploads are then gathered to every process after aggregation
+        self.share_round_uploads = False
         self._local_loader = None
         self._skipped: list[int] = []
 
@@ -86,8 +90,9 @@ class FederatedCallback(L.Callback):
     def round_uploads(self) -> list[ClientUpload]:
         """The current round's accepted uploads (typed, see uploads.py), complete from the end of
         its last client until the next round starts: what an analysis callback reads, e.g. in
-        its own on_train_batch_end or on_validation_end."""
-        return list(self._uploads)
+        its own on_train_batch_end or on_validation_end. With clients in parallel, every
+        process's uploads when `share_round_uploads` is set, else this process's."""
+        return list(self._all_uploads)
 
     # ---- set-up -------------------------------------------------------------------------------
     def on_fit_start(self, trainer: L.Trainer, pl_module) -> None:
@@ -135,7 +140,7 @@ class FederatedCallback(L.Callback):
         self._mine = getattr(dm, "rank_plan", None) or plan  # this process's clients
         self._round_started = time.perf_counter()
         self._clients_done = 0
-        self._uploads, self._skipped, self._diverged_at = [], [], None
+        self._uploads, self._all_uploads, self._skipped, self._diverged_at = [], [], [], None
         self._local_stats: list[dict[str, float]] = []
         pl_module.round_start(plan.round, [c.client for c in plan.clients])
 
@@ -187,7 +192,9 @@ class FederatedCallback(L.Callback):
             raise FLDivergedError(f"diverged: every client's upload was non-finite at "
                                   f"{self._where(trainer, pl_module)}")
         lr = pl_module.current_lr()
-        pl_module.aggregate(RoundUploads(self._uploads, collective, pl_module.device))
+        uploads = RoundUploads(self._uploads, collective, pl_module.device)
+        pl_module.aggregate(uploads)
+        self._all_uploads = uploads.gathered() if self.share_round_uploads else list(self._uploads)
         pl_module.commit_kept_states(self._uploads)
         pl_module.sync_client_states(collective)
         if not all_finite(pl_module.aggregated_state()):

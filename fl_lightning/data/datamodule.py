@@ -409,7 +409,9 @@ class FederatedDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         # The papers evaluate the global model on the full test set every round; there is no
-        # separate validation split in their protocol.
+        # separate validation split in their protocol. Every process evaluates the whole test set
+        # (with clients in parallel they all hold the same global model): the logged values are
+        # then exactly the one-process run's.
         return self._eval_loader(self.test_set)
 
     def test_dataloader(self) -> DataLoader:
