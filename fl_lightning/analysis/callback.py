@@ -124,6 +124,9 @@ class AnalysisCallback(L.Callback):
     # ---- hooks --------------------------------------------------------------------------------
     def on_fit_start(self, trainer, pl_module) -> None:
         self.check_model(pl_module)
+        federation = _federation(trainer)
+        if self.divergence and federation is not None:
+            federation.share_round_uploads = True  # distances between every pair of the round's clients
         if self.partition and trainer.is_global_zero and hasattr(trainer.datamodule, "client_parts"):
             self.log_partition(trainer)
 

@@ -22,7 +22,7 @@ from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import LossContext, SharedModelMethod
 from fl_lightning.models import FLModel
 from fl_lightning.state import ServerStateMixin, to_cpu
-from fl_lightning.uploads import ClientUpload
+from fl_lightning.uploads import RoundUploads
 
 
 def moon_contrastive_loss(z: torch.Tensor, z_global: torch.Tensor, z_prev: torch.Tensor,
@@ -87,7 +87,7 @@ class MOON(ServerStateMixin, SharedModelMethod):
         z = model.features(x)
         return F.cross_entropy(model.head(z), y) + self.contrastive_term(x, z)
 
-    def aggregate(self, uploads: list[ClientUpload]) -> None:
+    def aggregate(self, uploads: RoundUploads) -> None:
         for u in uploads:
             self.client_states[u.client] = to_cpu(u.weights)
         super().aggregate(uploads)

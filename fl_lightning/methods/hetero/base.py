@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
@@ -48,6 +50,7 @@ from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import FederatedMethod, abstract_base
 from fl_lightning.models.base import FLModel
 from fl_lightning.models.hetero import build_group_model, client_architecture, group_members
+from fl_lightning.parallel import clients_in_parallel
 from fl_lightning.uploads import ClientUpload
 
 
@@ -97,6 +100,7 @@ class HeteroMethod(FederatedMethod):
         # one module per architecture, into which the client in use is loaded (never two at once)
         self._architecture_modules: dict[str, FLModel] = {}
         self._anchor = [torch.zeros(1, requires_grad=True)]
+        self._trained: list[int] = []  # this round's clients on this process
         self.register_buffer("best_acc", torch.tensor(-1.0))
         self.register_buffer("best_round", torch.tensor(-1))
 
@@ -114,20 +118,30 @@ class HeteroMethod(FederatedMethod):
         return _ClientModelSnapshots(self)
 
     def build_client_models(self, num_clients: int, store: bool = True) -> None:
-        """Builds every client's initial model in client order (the same random draws as building
-        them all at once) and writes each to the store as soon as it is built, so a bounded cache
-        holds at most its size in memory. `store=False` makes the same draws but keeps only one
-        module per architecture (a checkpoint is about to provide the weights)."""
+        """Builds every client's initial model in client order and writes each to the store as
+        soon as it is built, so a bounded cache holds at most its size in memory. `store=False`
+        keeps only one module per architecture (a checkpoint is about to provide the weights).
+
+        The models are drawn from the run's seed (`seed_everything`) whatever happened to the
+        global RNG before: set-up consumes it differently on one process and on several
+        (Lightning re-seeds each process as it joins), and the initial models must not depend on
+        that. With clients in parallel every process takes rank 0's."""
         h = self.hparams
+        parallel = self._trainer is not None and clients_in_parallel(self.trainer)
+        seed = int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed()))
         self._architecture_modules = {}
-        for client in range(num_clients):
-            architecture = self.client_architecture(client)
-            model = build_group_model(architecture, h.data_spec, h.feature_dim)
-            if store:
-                self.client_model_states[client] = model.state_dict()
-            self._architecture_modules.setdefault(architecture, model)
-        self._num_clients = num_clients
-        self.on_client_models_built()
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for client in range(num_clients):
+                architecture = self.client_architecture(client)
+                model = build_group_model(architecture, h.data_spec, h.feature_dim)
+                if store:
+                    if parallel:
+                        _sync_module_states(model)
+                    self.client_model_states[client] = model.state_dict()
+                self._architecture_modules.setdefault(architecture, model)
+            self._num_clients = num_clients
+            self.on_client_models_built()
 
     def _ensure_client_models(self) -> None:
         if not self._num_clients:
@@ -154,10 +168,11 @@ class HeteroMethod(FederatedMethod):
                 "model-heterogeneous methods evaluate each client on its own test split: set "
                 "data.client_test_fraction (the papers use 0.25)"
             )
-        if self.trainer.world_size > 1:
+        if self.trainer.world_size > 1 and not clients_in_parallel(self.trainer):
             # The installed client model is swapped in after DDP has wrapped the module, so its
             # gradients would not be synchronised across ranks.
-            raise FLUserError("model-heterogeneous methods run on one device; set --trainer.devices 1")
+            raise FLUserError("model-heterogeneous methods split over processes by client, not by batch: "
+                              "set --federation.parallel clients (or --trainer.devices 1)")
         if self._num_clients and self._num_clients != dm.num_clients:
             raise FLUserError(
                 f"the method holds {self._num_clients} client models but the data has {dm.num_clients} clients"
@@ -224,23 +239,14 @@ class HeteroMethod(FederatedMethod):
 
     # ---- the round ----------------------------------------------------------------------------
     def client_start(self, client: int, num_samples: int) -> None:
+        self._trained.append(client)
         self.current_client, self.current_num_samples = client, num_samples
-        # Dropout draws (GoogLeNet) are seeded by (seed, round, client): a resumed run trains
-        # exactly as an uninterrupted one.
-        torch.manual_seed(self.run_seed() * 1_000_003 + self.round_idx * 10_007 + client)
+        self.seed_client(client)
         self._install(client)
         self.receive(client)
         self._bind_optimizer()
         self.local_step = 0
         self.model.train()
-
-    def run_seed(self) -> int:
-        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        return int(dm.hparams.seed) if dm is not None else 0
-
-    def server_seed(self) -> int:
-        """Seeds the server's random draws of this round (shuffles, generator samples)."""
-        return self.run_seed() * 1_000_003 + self.round_idx
 
     def receive(self, client: int) -> None:
         """Hook: load what the server sends into the installed client (shared model, W_h, ...)."""
@@ -349,15 +355,45 @@ class HeteroMethod(FederatedMethod):
         """The client's own model, on the device (personalised evaluation copies it)."""
         return self.client_model_copy(client)
 
+    # ---- clients in parallel -------------------------------------------------------------------
+    def round_start(self, round_idx: int, clients: list[int]) -> None:
+        super().round_start(round_idx, clients)
+        self._trained = []
+
+    def sync_client_states(self, collective) -> None:
+        """Every process holds every client model (each evaluates all of them after a round):
+        the models this process trained go to the others. After aggregation, so what a server
+        step writes into every client (LG-FedAvg's head) is in place on every process alike."""
+        super().sync_client_states(collective)
+        if not collective.distributed:
+            return
+        mine = {c: self.client_model_states[c] for c in self._trained}
+        for rank, part in enumerate(collective.gather(mine)):
+            if rank != collective.rank:
+                for client, state in part.items():
+                    self.client_model_states[client] = state
+
     # ---- checkpoints --------------------------------------------------------------------------
     def configure_client_stores(self, directory, cache_size: int) -> None:
         super().configure_client_stores(directory, cache_size)
-        self.client_model_states.configure(None if directory is None else Path(directory) / "models", cache_size)
+        if directory is not None:
+            directory = Path(directory) / "models"
+            if self._trainer is not None and clients_in_parallel(self.trainer) and self.trainer.global_rank:
+                # with clients in parallel every process evicts to its own folder, which rank 0's
+                # pruning of the checkpoint's folder does not touch
+                directory = directory / f"rank{self.trainer.global_rank}"
+                self.client_model_states.rank = self.trainer.global_rank
+        self.client_model_states.configure(directory, cache_size)
         if not self._num_clients and self._expected_clients is not None:
             self.build_client_models(self._expected_clients)  # straight into the bounded store
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
+        if self._trainer is not None and clients_in_parallel(self.trainer) and self.trainer.global_rank != 0:
+            # rank 0 writes the checkpoint and, holding every client model, their files; the
+            # others prune the files their own evictions wrote (in their own folder)
+            self.client_model_states.checkpoint_state()
+            return
         # the store writes only the models that changed since the last checkpoint (the clients
         # that trained) and names all files
         checkpoint["fl_client_models"] = {"num_clients": self._num_clients,

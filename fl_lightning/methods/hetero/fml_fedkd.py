@@ -33,7 +33,7 @@ from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import LossContext, abstract_base
 from fl_lightning.methods.hetero.base import HeteroMethod
 from fl_lightning.models.hetero import build_group_model
-from fl_lightning.uploads import ClientUpload, weighted_average
+from fl_lightning.uploads import RoundUploads
 
 
 def kl_to(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -65,8 +65,8 @@ class MutualLearningMethod(HeteroMethod):
     def upload(self) -> dict:
         return {"weights": {f"shared.{k}": v.detach().clone() for k, v in self.shared.state_dict().items()}}
 
-    def aggregate(self, uploads: list[ClientUpload]) -> None:
-        avg = weighted_average([u.weights for u in uploads], [u.num_samples for u in uploads])
+    def aggregate(self, uploads: RoundUploads) -> None:
+        avg = uploads.weighted_average(lambda u: u.weights)
         self.global_shared.load_state_dict({k.removeprefix("shared."): v for k, v in avg.items()})
 
 
@@ -192,10 +192,9 @@ class FedKD(MutualLearningMethod):
     def upload(self) -> dict:
         return {"weights": compress_state(self.shared.state_dict(), self.energy(), "shared.")}
 
-    def aggregate(self, uploads: list[ClientUpload]) -> None:
+    def aggregate(self, uploads: RoundUploads) -> None:
         like = self.global_shared.state_dict()
-        states = [decompress_state(u.weights, like, "shared.") for u in uploads]
-        avg = weighted_average(states, [u.num_samples for u in uploads])
+        avg = uploads.weighted_average(lambda u: decompress_state(u.weights, like, "shared."))
         # the server sends the average back compressed too; clients receive the reconstruction
         sent = compress_state(avg, self.energy(), "")
         self.global_shared.load_state_dict(decompress_state(sent, like, ""))
