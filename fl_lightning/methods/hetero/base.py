@@ -361,9 +361,8 @@ class HeteroMethod(FederatedMethod):
         self._trained = []
 
     def sync_client_states(self, collective) -> None:
-        """Every process holds every client model (each evaluates all of them after a round):
-        the models this process trained go to the others. After aggregation, so what a server
-        step writes into every client (LG-FedAvg's head) is in place on every process alike."""
+        """Every process's store holds every client's model (each evaluates all of them after a
+        round): the models this process trained go into the others' stores, after aggregation."""
         super().sync_client_states(collective)
         if not collective.distributed:
             return
