@@ -68,6 +68,7 @@ class ClientStateStore(MutableMapping):
     def __init__(self, directory: str | Path | None = None, cache_size: int = 0):
         self._cache: OrderedDict[int, State] = OrderedDict()
         self._dirty: set[int] = set()  # in the cache and changed since written
+        self._unpublished: set[int] = set()  # changed since the last `sync` (written or not)
         self._files: dict[int, Path] = {}  # client -> its newest file
         self._version = 0
         self._previous_manifest: dict[int, str] = {}
@@ -104,6 +105,7 @@ class ClientStateStore(MutableMapping):
         self._cache[client] = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
         self._cache.move_to_end(client)
         self._dirty.add(client)
+        self._unpublished.add(client)
         self._evict()
 
     def __delitem__(self, client: int) -> None:
@@ -113,6 +115,7 @@ class ClientStateStore(MutableMapping):
         self._cache.pop(client, None)
         self._files.pop(client, None)
         self._dirty.discard(client)
+        self._unpublished.discard(client)
 
     def __contains__(self, client: object) -> bool:
         return client in self._cache or client in self._files
@@ -170,17 +173,17 @@ class ClientStateStore(MutableMapping):
         if not collective.distributed:
             return
         self.rank = collective.rank
+        changed, self._unpublished = sorted(self._unpublished), set()
         if self.directory is None:  # in memory: every process keeps every state
-            mine = {c: self._cache[c] for c in sorted(self._dirty)}
+            mine = {c: self._cache[c] for c in changed}
             for part in collective.gather(mine):
                 for client, state in part.items():
                     self._cache[client] = state
-            self._dirty.clear()  # published: the next round sends only what changes again
             return
-        written = {}
         for client in sorted(self._dirty):
             self._write(client)
-            written[client] = str(self._files[client])
+        # every state changed this round, including those evicted (written) during it
+        written = {client: str(self._files[client]) for client in changed}
         parts = collective.gather((self._version, written))
         self._version = max(version for version, _ in parts)  # no process reuses a name
         for rank, (_, part) in enumerate(parts):
@@ -200,6 +203,7 @@ class ClientStateStore(MutableMapping):
     def load_checkpoint_state(self, saved: dict) -> None:
         self._cache.clear()
         self._dirty.clear()
+        self._unpublished.clear()
         self._files = {}
         if "states" in saved:
             for client, state in saved["states"].items():

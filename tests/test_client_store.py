@@ -218,3 +218,33 @@ def test_resume_with_a_bounded_cache_restores_every_client_model(tmp_path):
                                  ckpt_path=str(tmp_path / "interrupted" / "ckpt" / "last.ckpt"))
     for a, b in zip(_client_weights(straight), _client_weights(resumed), strict=True):
         assert_same_tensors(a, b)
+
+
+def test_sync_publishes_states_evicted_during_the_round(tmp_path):
+    """Two processes over one directory (a fake two-rank collective): rank 1 trains clients 3 and
+    4 with a cache of 1, so client 3's new state is evicted to a file before the round ends; after
+    `sync`, rank 0 reads both clients' new states from rank 1's files."""
+    from fl_lightning.client_store import ClientStateStore
+
+    rank0, rank1 = ClientStateStore(tmp_path, cache_size=1), ClientStateStore(tmp_path, cache_size=1)
+    for store in (rank0, rank1):  # the state every process loaded from the last checkpoint
+        store[3] = {"c": torch.zeros(2)}
+        store.checkpoint_state()
+    rank1[3] = {"c": torch.full((2,), 3.0)}
+    rank1[4] = {"c": torch.full((2,), 4.0)}  # evicts client 3: written to a file, no longer dirty
+
+    class Collective:
+        distributed = True
+
+        def __init__(self, rank, other):
+            self.rank, self.other, self.sent = rank, other, None
+
+        def gather(self, obj):
+            self.sent = obj
+            return [obj, self.other] if self.rank == 0 else [self.other, obj]
+
+    one = Collective(1, (0, {}))
+    rank1.sync(one)
+    assert set(one.sent[1]) == {3, 4}  # both published, the evicted one too
+    rank0.sync(Collective(0, one.sent))
+    assert float(rank0[3]["c"][0]) == 3.0 and float(rank0[4]["c"][0]) == 4.0
