@@ -11,11 +11,11 @@
   `--ckpt_path last` resumes the run configured in the same directory; a checkpoint of another
   experiment, or a damaged file, is refused before anything loads it.
 - Configs compose: `--config configs/settings/<setting>.yaml --config configs/methods/<paper>/<method>.yaml`
-  (configs/README.md). A run that sets neither `trainer.default_root_dir` nor the W&B logger's
-  `name` gets both from its --config files: `runs/<setting>/<method>` and `<setting>/<method>`
-  (`run_name_from_configs`). `data.seed: null` (client sampling and local shuffling) follows
-  `seed_everything`, so a seed sweep varies what the papers' seeds vary; the partition stays
-  fixed by `data.partition_seed`.
+  (configs/README.md). `trainer.default_root_dir` and the W&B logger's `name`, where the config
+  leaves them unset, come from the --config files: `runs/<setting>/<method>` and
+  `<setting>/<method>` (`rundir.run_name_from_configs`). `data.seed: null` (client sampling and
+  local shuffling) follows `seed_everything`, so a seed sweep varies what the papers' reference
+  code varies between runs; the partition stays fixed by `data.partition_seed`.
 - One fit per run directory (fl_lightning/rundir.py): a second fit into a used directory is
   refused unless it resumes (`--ckpt_path last`) or overwrites (`--overwrite true`).
 - SIGTERM (a preempted job) and Ctrl-C abandon the current round and exit with 128 + the signal's
@@ -194,8 +194,9 @@ def name_run_from_configs(cfg) -> None:
 
 def follow_seed_everything(cfg) -> None:
     """`data.seed: null` (client sampling and local shuffling) takes the run's seed_everything, so
-    runs that differ by seed differ in the clients they sample, as in the papers' code; the
-    partition stays `data.partition_seed`'s. seed_everything false (no seeding) leaves it at 0."""
+    runs that differ by seed sample different clients, as in FL-bench; the partition stays
+    `data.partition_seed`'s. With seed_everything false (no seeding) it is 0, the data module's
+    default."""
     data = cfg.get("data")
     if data is None or data.get("seed") is not None:
         return
