@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from fl_lightning.data.datamodule import FederatedDataModule
-from fl_lightning.methods.fedsol import kl_proximal_loss, sol_perturbation
+from fl_lightning.methods.fedsol.fedsol import kl_proximal_loss, sol_perturbation
 from fl_lightning.models import build_model
 
 DATA = dict(dataset="mnist5k", num_clients=50, sample_ratio=0.2, local_epochs=5, batch_size=50,

@@ -42,6 +42,7 @@ from fl_lightning.errors import FLUserError
 from fl_lightning.federation import FederatedCallback, FLDivergedError
 from fl_lightning.loggers import describe_wandb_run
 from fl_lightning.methods import FederatedMethod
+from fl_lightning.parallel import client_strategy_name
 from fl_lightning.personalization import PersonalizationCallback
 from fl_lightning.progress import RoundProgressBar
 from fl_lightning.results import ResultsCallback
@@ -133,11 +134,41 @@ class FLCLI(LightningCLI):
         init = getattr(logger, "init_args", None)
         if init is not None and "save_dir" in init and init.save_dir is None:
             init.save_dir = root
+        strategy = trainer.get("strategy")
+        federation = cfg.get("federation") or {}
+        if isinstance(strategy, str) and federation.get("parallel", "clients") == "clients":
+            # DDP processes train different clients (parallel.py): Lightning's DDP minus the wrapper
+            trainer["strategy"] = client_strategy_name(strategy) or strategy
+            if trainer["strategy"].endswith("_clients"):
+                self._check_client_parallelism(cfg)
         overwrite = bool(cfg.get("overwrite"))
         cfg["overwrite"] = False  # not saved into config.yaml: re-running that file must not wipe this run
         if self.subcommand == "fit" and is_first_process():
             self.run_dir = RunDirectory(root)
             self.run_dir.prepare_fit(resuming=bool(cfg.get("ckpt_path")), overwrite=overwrite)
+
+    @staticmethod
+    def _check_client_parallelism(cfg) -> None:
+        """The federated callback checks again in every process; this fails before any launch
+        where the configuration alone tells (FederatedCallback._check_parallel)."""
+        from jsonargparse._util import import_object
+
+        model = cfg.get("model")
+        method = import_object(model.class_path) if getattr(model, "class_path", None) else None
+        if method is not None and not getattr(method, "runs_clients_in_parallel", True):
+            raise FLUserError(f"{method.__name__} cannot train clients in parallel processes yet; run it on one "
+                              f"process (--trainer.devices 1) or set --federation.parallel batch")
+        trainer, data = cfg["trainer"], cfg["data"]
+        devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
+        if isinstance(devices, str) and devices.isdigit():
+            devices = int(devices)
+        if not isinstance(devices, int) or devices < 1:
+            return  # "auto", a list of ids: the callback checks once the processes exist
+        per_round = max(int(data["num_clients"] * data["sample_ratio"]), 1)
+        if devices * nodes > per_round:
+            raise FLUserError(f"--federation.parallel clients: {devices * nodes} processes but only {per_round} "
+                              f"clients per round; use at most {per_round} processes (--trainer.devices x "
+                              f"--trainer.num_nodes) or sample more clients (--data.sample_ratio)")
 
     def before_fit(self) -> None:
         # Load and partition the data before the run starts, so a missing file or an impossible

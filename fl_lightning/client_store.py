@@ -10,6 +10,14 @@ states that changed since the last checkpoint, so a checkpoint costs in proporti
 that trained, not to all clients. Files are deleted only once neither the checkpoint being
 written nor the previous one names them, so a kill at any moment, even while a checkpoint is
 being written, leaves every state the surviving checkpoint needs.
+
+When a round's clients train on several processes (parallel.py), each process has its own store
+over the same directory. A state changes on the process that trained the client; after the round
+(`sync`) every process writes what it changed (file names carry the process's rank) and learns
+where the others wrote theirs, dropping its stale cached copies. So a state moves between
+processes only when its client changes process, every process's manifest is the same, and the
+round checkpoint (written by rank 0) names every client's state exactly once. Only rank 0 deletes
+files.
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ class ClientStateStore(MutableMapping):
         self._files: dict[int, Path] = {}  # client -> its newest file
         self._version = 0
         self._previous_manifest: dict[int, str] = {}
+        self.rank = 0  # set by `sync`: names this process's files and lets only rank 0 delete
         self.directory: Path | None = None
         self.cache_size = 0
         self.configure(directory, cache_size)
@@ -117,7 +126,8 @@ class ClientStateStore(MutableMapping):
     # ---- files ------------------------------------------------------------------------------
     def _write(self, client: int) -> None:
         self._version += 1
-        path = self.directory / f"client{client}.v{self._version}.safetensors"
+        rank = f".r{self.rank}" if self.rank else ""
+        path = self.directory / f"client{client}.v{self._version}{rank}.safetensors"
         self.directory.mkdir(parents=True, exist_ok=True)
         write_atomically(self._cache[client], path)
         self.bytes_written += path.stat().st_size
@@ -146,12 +156,39 @@ class ClientStateStore(MutableMapping):
             return {"states": {c: dict(s) for c, s in self._cache.items()}}
         manifest = self.manifest()
         keep = set(manifest.values()) | set(self._previous_manifest.values())
-        if self.directory.is_dir():
+        if self.directory.is_dir() and self.rank == 0:
             for path in self.directory.glob("client*.v*.safetensors"):
                 if str(path) not in keep:
                     path.unlink(missing_ok=True)
         self._previous_manifest = manifest
         return {"manifest": manifest, "version": self._version}
+
+    def sync(self, collective) -> None:
+        """After a round whose clients trained on several processes (`parallel.Collective`):
+        every process publishes the states it changed (written to files, or the states
+        themselves for a store without a directory) and takes the others'. A no-op otherwise."""
+        if not collective.distributed:
+            return
+        self.rank = collective.rank
+        if self.directory is None:  # in memory: every process keeps every state
+            mine = {c: self._cache[c] for c in sorted(self._dirty)}
+            for part in collective.gather(mine):
+                for client, state in part.items():
+                    self._cache[client] = state
+            self._dirty.clear()  # published: the next round sends only what changes again
+            return
+        written = {}
+        for client in sorted(self._dirty):
+            self._write(client)
+            written[client] = str(self._files[client])
+        parts = collective.gather((self._version, written))
+        self._version = max(version for version, _ in parts)  # no process reuses a name
+        for rank, (_, part) in enumerate(parts):
+            if rank == self.rank:
+                continue
+            for client, path in part.items():
+                self._files[client] = Path(path)
+                self._cache.pop(client, None)  # stale: another process trained it since
 
     def release(self) -> None:
         """Drops the cached states that are safely in files (memory for states that live

@@ -12,6 +12,7 @@ uploads (`uploads.ClientUpload`) and how the server combines it is entirely the 
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,7 +21,8 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.uploads import ClientUpload, all_finite
+from fl_lightning.parallel import ClientParallelStrategy, Collective, clients_in_parallel
+from fl_lightning.uploads import ClientUpload, RoundUploads, all_finite
 
 
 class FLDivergedError(RuntimeError):
@@ -45,12 +47,19 @@ class FederatedCallback(L.Callback):
         client_cache_size: clients whose persistent state (control variates, personal models,
             heterogeneous client models) stays in memory; the others wait in per-client files in
             the run directory (0 = all in memory). Results do not depend on it.
+        parallel: with several processes (`--trainer.strategy ddp` and devices/nodes > 1),
+            "clients" spreads each round's clients over the processes (parallel.py; the default:
+            federated clients are small, and splitting their batches cannot beat one device);
+            "batch" splits every client's mini-batches across the processes instead (DDP's usual
+            data parallelism, for settings with one large client batch).
     """
 
     def __init__(self, eval_local_models: bool = True, local_eval_samples: int = 1000,
                  on_divergence: Literal["stop", "skip_client"] = "stop", collapse_rounds: int = 5,
-                 on_collapse: Literal["mark", "stop"] = "mark", client_cache_size: int = 0):
+                 on_collapse: Literal["mark", "stop"] = "mark", client_cache_size: int = 0,
+                 parallel: Literal["clients", "batch"] = "clients"):
         super().__init__()
+        self.parallel = parallel
         if client_cache_size < 0:
             raise FLUserError(f"federation.client_cache_size must be >= 0 (0 = all in memory), got "
                               f"{client_cache_size}")
@@ -70,6 +79,10 @@ class FederatedCallback(L.Callback):
         self._starts: dict[int, Any] = {}
         self._ends: dict[int, Any] = {}
         self._uploads: list[ClientUpload] = []
+        self._all_uploads: list[ClientUpload] = []
+        # set by a callback that reads every client's upload each round (analysis divergence): with
+        # clients in parallel the uploads are then gathered to every process after aggregation
+        self.share_round_uploads = False
         self._local_loader = None
         self._skipped: list[int] = []
 
@@ -77,8 +90,9 @@ class FederatedCallback(L.Callback):
     def round_uploads(self) -> list[ClientUpload]:
         """The current round's accepted uploads (typed, see uploads.py), complete from the end of
         its last client until the next round starts: what an analysis callback reads, e.g. in
-        its own on_train_batch_end or on_validation_end."""
-        return list(self._uploads)
+        its own on_train_batch_end or on_validation_end. With clients in parallel, every
+        process's uploads when `share_round_uploads` is set, else this process's."""
+        return list(self._all_uploads)
 
     # ---- set-up -------------------------------------------------------------------------------
     def on_fit_start(self, trainer: L.Trainer, pl_module) -> None:
@@ -87,6 +101,7 @@ class FederatedCallback(L.Callback):
                               "(every round has its own clients)")
         if not hasattr(trainer.datamodule, "round_plan"):
             raise FLUserError("federated training needs a FederatedDataModule as data")
+        self._check_parallel(trainer, pl_module)
         # Per-client state goes to files next to the checkpoints (so a checkpoint only names them),
         # or, for a bounded cache without checkpoints, into the run directory.
         checkpoint = trainer.checkpoint_callback
@@ -97,15 +112,35 @@ class FederatedCallback(L.Callback):
             directory = Path(trainer.default_root_dir) / "client_states"
         pl_module.configure_client_stores(directory, self.client_cache_size)
 
+    def _check_parallel(self, trainer, pl_module) -> None:
+        world = trainer.world_size
+        if world == 1 or self.parallel == "batch":
+            return
+        if not isinstance(trainer.strategy, ClientParallelStrategy):
+            raise FLUserError(f"--federation.parallel clients runs with --trainer.strategy ddp (got "
+                              f"{type(trainer.strategy).__name__}); or set --federation.parallel batch")
+        if not pl_module.runs_clients_in_parallel:
+            raise FLUserError(f"{type(pl_module).__name__} cannot train clients in parallel processes yet; "
+                              f"run it on one process (--trainer.devices 1) or set --federation.parallel batch")
+        dm = trainer.datamodule
+        per_round = max(int(dm.hparams.num_clients * dm.hparams.sample_ratio), 1)
+        if per_round < world:
+            raise FLUserError(f"--federation.parallel clients: {world} processes but only {per_round} clients per "
+                              f"round; use at most {per_round} processes (--trainer.devices x --trainer.num_nodes) "
+                              f"or sample more clients (--data.sample_ratio)")
+
     # ---- the round ----------------------------------------------------------------------------
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module) -> None:
-        plan = trainer.datamodule.round_plan
+        dm = trainer.datamodule
+        plan = dm.round_plan
         if plan is None or plan.round != trainer.current_epoch:
             raise RuntimeError(f"round plan is for round {getattr(plan, 'round', None)}, "
                                f"not {trainer.current_epoch}")
         self._plan = plan
+        self._mine = getattr(dm, "rank_plan", None) or plan  # this process's clients
+        self._round_started = time.perf_counter()
         self._clients_done = 0
-        self._uploads, self._skipped = [], []
+        self._uploads, self._all_uploads, self._skipped, self._diverged_at = [], [], [], None
         self._local_stats: list[dict[str, float]] = []
         pl_module.round_start(plan.round, [c.client for c in plan.clients])
 
@@ -121,37 +156,70 @@ class FederatedCallback(L.Callback):
             stats = dict(upload.stats)
             if self.eval_local_models:
                 stats.update(pl_module.local_model_stats(lambda: self._local_eval_loader(trainer)))
-            self._local_stats.append(stats)
+            self._local_stats.append((upload.client, stats))
             self._uploads.append(upload)
-        if self._clients_done == len(self._plan.clients):
+        if self._clients_done == len(self._mine.clients):
             self._finish_round(trainer, pl_module)
 
     @property
     def round_client_stats(self) -> list[dict[str, float]]:
-        """Per accepted client of that round, its logged statistics (e.g. local_acc)."""
-        return list(self._local_stats)
+        """Per accepted client of that round (of every process), its logged statistics (e.g.
+        local_acc), in client order."""
+        return [stats for _, stats in self._local_stats]
 
     def _finish_round(self, trainer, pl_module) -> None:
-        if not self._uploads:
+        collective = Collective.of(trainer)
+        local_logs = [pl_module.flush_local_logs()]
+        if collective.distributed:
+            # One gather of what every process saw: a divergence stops every process together
+            # (not one process while the others wait in a collective), and the round's logged
+            # means are over every client, whichever process trained it.
+            parts = collective.gather({"stats": self._local_stats, "skipped": self._skipped,
+                                       "diverged": self._diverged_at, "logs": local_logs,
+                                       "accepted": len(self._uploads)})
+            self._local_stats = sorted((s for p in parts for s in p["stats"]), key=lambda cs: cs[0])
+            self._skipped = sorted(c for p in parts for c in p["skipped"])
+            diverged_at = min((p["diverged"] for p in parts if p["diverged"]), default=None)
+            accepted = sum(p["accepted"] for p in parts)
+            local_logs = [p["logs"][0] for p in parts]
+        else:
+            diverged_at, accepted = self._diverged_at, len(self._uploads)
+        local_logs = pl_module.merge_local_logs(local_logs)
+        if diverged_at is not None:
+            raise FLDivergedError(f"diverged: non-finite weights at {diverged_at[1]}; "
+                                  f"lower the lr or set --federation.on_divergence skip_client")
+        if not accepted:
             raise FLDivergedError(f"diverged: every client's upload was non-finite at "
                                   f"{self._where(trainer, pl_module)}")
         lr = pl_module.current_lr()
-        pl_module.aggregate(self._uploads)
+        uploads = RoundUploads(self._uploads, collective, pl_module.device)
+        pl_module.aggregate(uploads)
+        self._all_uploads = uploads.gathered() if self.share_round_uploads else list(self._uploads)
         pl_module.commit_kept_states(self._uploads)
+        pl_module.sync_client_states(collective)
         if not all_finite(pl_module.aggregated_state()):
             # finite uploads can still aggregate to inf/NaN (a server step size, a control variate,
             # overflow); no client to skip then, so the run stops either way
             raise FLDivergedError(f"diverged: non-finite global model after aggregation at "
                                   f"{self._where(trainer, pl_module)}")
         pl_module.round_end()
-        metrics = {"round": float(self._plan.round), "lr": lr, "clients/skipped": float(len(self._skipped))}
-        metrics.update(pl_module.flush_local_logs())
-        for key in sorted({k for s in self._local_stats for k in s}):
-            values = torch.tensor([s[key] for s in self._local_stats if key in s], dtype=torch.float64)
+        seconds = time.perf_counter() - self._round_started
+        samples = sum(c.num_samples * len(c.orders) for c in self._plan.clients)
+        metrics = {"round": float(self._plan.round), "lr": lr, "clients/skipped": float(len(self._skipped)),
+                   "perf/round_seconds": seconds, "perf/client_updates_per_s": len(self._plan.clients) / seconds,
+                   "perf/samples_per_s": samples / seconds}
+        metrics.update(local_logs)
+        stats = self.round_client_stats
+        for key in sorted({k for s in stats for k in s}):
+            values = torch.tensor([s[key] for s in stats if key in s], dtype=torch.float64)
             metrics[f"local/{key}_mean"] = float(values.mean())
             if key == "local_acc":
                 metrics["local/local_acc_std"] = float(values.std(unbiased=False))
-        pl_module.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1, sync_dist=True)
+        # With clients in parallel every process now holds the same values (no sync needed);
+        # with batch parallelism every process trained every client, so the mean is the value.
+        # perf/* is each process's own clock, logged from rank 0.
+        pl_module.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1,
+                           sync_dist=not collective.distributed and trainer.world_size > 1)
 
     def _where(self, trainer, pl_module, client: int | None = None) -> str:
         """1-based round, as in the per-round log line."""
@@ -164,6 +232,9 @@ class FederatedCallback(L.Callback):
         if self.on_divergence == "skip_client":
             rank_zero_info(f"non-finite upload at {where}: skipping this client's upload")
             self._skipped.append(client)
+            return
+        if clients_in_parallel(trainer):  # the other processes stop with it at the round's end
+            self._diverged_at = min(self._diverged_at or (client, where), (client, where))
             return
         raise FLDivergedError(f"diverged: non-finite weights at {where}; "
                               f"lower the lr or set --federation.on_divergence skip_client")

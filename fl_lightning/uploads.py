@@ -5,18 +5,24 @@ deltas are summed over the round's clients; prototypes are pooled per class; lab
 local step counts weight or normalise the others. So nothing rides through the weights under a
 key prefix, and the callback can check every tensor of an upload without knowing the method.
 
-Averaging is written as a weighted sum plus a finishing step: the sum is exactly what a
-reduction across processes would add (the parallel-clients issue runs a round's clients on
-several processes), and the finishing step casts back to each tensor's dtype and keeps integer
-buffers (BN's `num_batches_tracked`), which are not averageable.
+The server receives the round's uploads as `RoundUploads`: a list of the uploads of the clients
+this process trained, plus reductions over the uploads of every process (`parallel.py` spreads a
+round's clients over processes). Averaging is a weighted sum in float64 (each process sums its
+own uploads, one all_reduce adds the processes' sums) and a finishing step that divides by the
+total weight and casts back to each tensor's dtype; integer buffers (BN's `num_batches_tracked`),
+which are not averageable, take the value of the lowest-numbered client's upload. With one
+process the same code runs without the collectives, so a run's result does not depend on how
+many processes ran it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
 
 import torch
+
+from fl_lightning.parallel import Collective
 
 
 @dataclass
@@ -58,36 +64,107 @@ def all_finite(tensors: Mapping[str, torch.Tensor] | ClientUpload) -> bool:
     return bool(torch.stack(checks).all()) if checks else True
 
 
-def weighted_sum(tensors: Sequence[Mapping[str, torch.Tensor]], coefficients: Sequence[float]
-                 ) -> dict[str, torch.Tensor]:
-    """sum_i c_i x_i per key, accumulated in float32 (float64 stays float64). Integer tensors are
-    not summed: they take the first client's value. This is the part a cross-process reduction
-    adds up."""
-    if not tensors:
-        raise ValueError("weighted_sum needs at least one upload")
-    out = {}
-    for key, first in tensors[0].items():
-        if not torch.is_floating_point(first):
-            out[key] = first.clone()
-            continue
-        acc = torch.zeros_like(first, dtype=torch.float64 if first.dtype == torch.float64 else torch.float32)
-        for t, c in zip(tensors, coefficients, strict=True):
-            acc.add_(t[key].to(acc.dtype), alpha=float(c))
-        out[key] = acc
-    return out
+_WEIGHT = "\0weight"  # the total weight rides in the same reduction as the weighted tensors
 
 
-def finish_average(summed: Mapping[str, torch.Tensor], like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The finishing step: every tensor back in the dtype of `like` (e.g. bf16 weights summed in
-    float32)."""
-    return {k: v.to(like[k].dtype) for k, v in summed.items()}
+class RoundUploads(list):
+    """The round's accepted uploads held by this process, with reductions over every process's.
+
+    Iterating (or indexing) gives this process's uploads: what the server does per client with
+    that client's own upload (SCAFFOLD's c_i, FedDyn's g_i, MOON's previous model) happens on the
+    process that trained the client, which also keeps that client's state. Whatever the server adds
+    up over the round's clients goes through `sum` / `weighted_average`; a server rule that is not
+    a sum (prototype pooling, a generator trained on the clients' heads) takes `gathered()`.
+
+    Args:
+        uploads: this process's accepted uploads, in client order.
+        collective: the processes' collectives (`parallel.Collective`); None = one process.
+        device: where results are placed (the module's device).
+    """
+
+    def __init__(self, uploads: Iterable[ClientUpload] = (), collective: Collective | None = None,
+                 device: torch.device | str | None = None):
+        super().__init__(uploads)
+        self.collective = collective or Collective()
+        self.device = torch.device(device) if device is not None else None
+
+    def _place(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self.device is None else t.to(self.device)
+
+    def _agree(self, local: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The same keys and shapes on every process (a process whose clients were all skipped, or
+        whose clients uploaded fewer keys, contributes zeros)."""
+        if not self.collective.distributed:
+            return dict(local)
+        schema: dict[str, tuple] = {}
+        for part in self.collective.gather({k: tuple(v.shape) for k, v in local.items()}):
+            schema.update(part)
+        return {k: local[k] if k in local else self._place(torch.zeros(shape, dtype=torch.float64))
+                for k, shape in sorted(schema.items())}
+
+    def sum(self, terms: Callable[[ClientUpload], Mapping[str, torch.Tensor | float]]) -> dict[str, torch.Tensor]:
+        """sum over every process's uploads u of terms(u), per key, in float64."""
+        local: dict[str, torch.Tensor] = {}
+        for u in self:
+            for key, value in terms(u).items():
+                value = self._place(torch.as_tensor(value).detach().to(dtype=torch.float64))
+                local[key] = local[key] + value if key in local else value.clone()
+        return {k: self._place(v) for k, v in self.collective.sum(self._agree(local)).items()}
+
+    def total(self, value: Callable[[ClientUpload], float]) -> float:
+        """sum over every process's uploads of a number (e.g. the round's samples)."""
+        return float(self.sum(lambda u: {"v": float(value(u))}).get("v", 0.0))
+
+    @property
+    def count(self) -> int:
+        """The number of accepted uploads of the round, over every process."""
+        return round(self.total(lambda u: 1.0))
+
+    def weighted_average(self, values: Callable[[ClientUpload], Mapping[str, torch.Tensor]],
+                         weight: Callable[[ClientUpload], float] = lambda u: u.num_samples
+                         ) -> dict[str, torch.Tensor]:
+        """sum_u weight(u) * values(u) / sum_u weight(u) per key over every process's uploads,
+        back in each tensor's dtype; integer tensors take the lowest-numbered client's value."""
+        first = min(self, key=lambda u: u.client, default=None)
+        meta = {"dtypes": {}, "ints": None}
+        if first is not None:
+            tensors = values(first)
+            meta["dtypes"] = {k: v.dtype for k, v in tensors.items()}
+            meta["ints"] = (first.client, {k: v.detach().cpu() for k, v in tensors.items()
+                                           if not torch.is_floating_point(v)})
+        parts = self.collective.gather(meta)
+        dtypes = {k: d for part in parts for k, d in part["dtypes"].items()}
+        ints = min((p["ints"] for p in parts if p["ints"] is not None), key=lambda c: c[0], default=(None, {}))[1]
+
+        def weighted(u: ClientUpload) -> dict[str, torch.Tensor | float]:
+            w = float(weight(u))
+            out: dict[str, torch.Tensor | float] = {_WEIGHT: w}
+            out.update({k: v.double() * w for k, v in values(u).items() if torch.is_floating_point(v)})
+            return out
+
+        sums = self.sum(weighted)
+        total = float(sums.pop(_WEIGHT, 0.0))
+        if total <= 0:
+            raise ValueError("weighted_average needs at least one upload with a positive weight")
+        averaged = {k: (v / total).to(dtypes[k]) for k, v in sums.items()}
+        averaged.update({k: self._place(v.clone()) for k, v in ints.items()})
+        return {k: averaged[k] for k in dtypes}  # the uploads' key order
+
+    def gathered(self) -> list[ClientUpload]:
+        """Every process's uploads (tensors on this process's device), in client order: for server
+        rules that are not weighted sums."""
+        if not self.collective.distributed:
+            return list(self)
+        mine = [_map_tensors(u, lambda t: t.detach().cpu()) for u in self]
+        every = [u for part in self.collective.gather(mine) for u in part]
+        return sorted((_map_tensors(u, self._place) for u in every), key=lambda u: u.client)
 
 
-def weighted_average(tensors: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]
-                     ) -> dict[str, torch.Tensor]:
-    """sum_i p_i x_i with p_i = weights_i / sum(weights), per key: the coefficients are normalised
-    first (the total weight is one scalar to agree on), then summed and finished."""
-    total = float(sum(weights))
-    if not tensors or total <= 0:
-        raise ValueError("weighted_average needs at least one upload with a positive weight")
-    return finish_average(weighted_sum(tensors, [float(w) / total for w in weights]), tensors[0])
+def _map_tensors(upload: ClientUpload, fn: Callable[[torch.Tensor], torch.Tensor]) -> ClientUpload:
+    return replace(
+        upload,
+        weights={k: fn(v) for k, v in upload.weights.items()},
+        control_delta={k: fn(v) for k, v in upload.control_delta.items()},
+        prototypes={k: fn(v) for k, v in upload.prototypes.items()},
+        label_counts=None if upload.label_counts is None else fn(upload.label_counts),
+    )

@@ -6,9 +6,11 @@ behaviour with augmentation off (test_core_regression.py).
 
     .venv/bin/python tests/core_reference.py tests/data/core_v1_reference.pt
 
-except FedORGP's entry, produced the same way at cc5df0b: the old core plus the heterogeneous
-methods' drop of each local epoch's incomplete last batch (issue 9, finding 8), a change of
-behaviour the new core keeps.
+except FedORGP's entry, produced by this file on the current core (issue 11: client models drawn
+from the run seed in a forked RNG; before that, at cc5df0b, the old core plus the heterogeneous
+methods' drop of each local epoch's incomplete last batch):
+
+    .venv/bin/python tests/core_reference.py tests/data/core_v1_reference.pt FedORGP
 
 The new core (one Trainer batch per client, mini-batches sliced from tensors on the device) must
 reproduce it. Only public behaviour is read: the global model's state_dict, SCAFFOLD's per-client
@@ -111,4 +113,7 @@ def stored_form(state: dict[str, torch.Tensor]) -> dict:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)  # as in tests/conftest.py: reductions are thread-count dependent
-    torch.save({name: stored_form(run(name)) for name in RUNS}, sys.argv[1])
+    names = sys.argv[2:] or list(RUNS)  # the named entries are (re)made, the others kept
+    reference = torch.load(sys.argv[1], weights_only=True) if len(sys.argv) > 2 else {}
+    reference.update({name: stored_form(run(name)) for name in names})
+    torch.save(reference, sys.argv[1])

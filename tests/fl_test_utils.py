@@ -151,3 +151,9 @@ def learnable_shard_module(n_train=200, n_test=100, classes=4, clients=4, **kw) 
                 partition="shard", shards_per_client=1, client_test="partition")
     args.update(kw)
     return FederatedDataModule(**args)
+
+
+def reproducible_rows(rows: list[dict]) -> list[dict]:
+    """metrics.csv rows without perf/* (a run's own clock: the only columns that differ between
+    a run and its exact repetition)."""
+    return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]

@@ -11,9 +11,9 @@ from fl_test_utils import fit, one_client_module, params, reference_sgd, tiny_sp
 from torch.func import functional_call
 
 from fl_lightning.methods import MOON, FedASAM, FedNTD, FedProx, FedSAM
-from fl_lightning.methods.fedntd import not_true_logits, ntd_loss
-from fl_lightning.methods.fedsam import sam_perturbation
-from fl_lightning.methods.moon import moon_contrastive_loss
+from fl_lightning.methods.baselines.fedntd import not_true_logits, ntd_loss
+from fl_lightning.methods.baselines.fedsam import sam_perturbation
+from fl_lightning.methods.baselines.moon import moon_contrastive_loss
 
 LR, MOM, WD = 0.1, 0.9, 1e-3
 

@@ -13,8 +13,8 @@ from torch.func import functional_call
 from fl_lightning.data.datamodule import sample_clients
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods import SCAFFOLD, FedDyn, FedExP, FedNova
-from fl_lightning.methods.common import effective_steps
-from fl_lightning.methods.fedexp import fedexp_step_size
+from fl_lightning.methods.baselines.fedexp import fedexp_step_size
+from fl_lightning.state import effective_steps
 
 LR, MOM, WD = 0.1, 0.9, 1e-3
 # 3 clients of different sizes, 2 sampled per round: N (all clients) differs from |S| (sampled)

@@ -101,7 +101,8 @@ def test_ddp_on_two_cpu_processes_matches_one_process(tmp_path):
     args = [*SMALL, "--trainer.max_epochs", "1", "--trainer.logger", "false", "--data.batch_size", "10",
             "--model.init_args.perturb", "all", "--trainer.accelerator", "cpu"]
     finals = []
-    for name, extra in (("one", []), ("ddp", ["--trainer.strategy", "ddp", "--trainer.devices", "2"])):
+    for name, extra in (("one", []), ("ddp", ["--trainer.strategy", "ddp", "--trainer.devices", "2",
+                                              "--federation.parallel", "batch"])):
         root = tmp_path / name
         proc = subprocess.run([sys.executable, "-m", "fl_lightning.cli", "fit", *args, *extra,
                                "--trainer.default_root_dir", str(root)],

@@ -2,7 +2,15 @@
 device), reproduces the old core bit for bit with augmentation off: FedAvg (also through the
 resize/to_rgb path), FedSOL, SCAFFOLD (with its per-client c_i) and FedORGP (every client's own
 model and the global prototypes) after 3 rounds. The reference was produced by
-tests/core_reference.py on the old core (see its docstring). Tolerance: none (bit-identical)."""
+tests/core_reference.py on the old core (see its docstring).
+
+Tolerance: rtol 1e-5, atol 1e-6. The cores were bit-identical until aggregation became a
+reduction across processes (parallel clients): it now adds n_k * w_k in float64 and divides by
+the total after the sum, where the old core added (n_k / n) * w_k in float32, so averages differ
+in the last bit (measured after 3 rounds: e.g. 6e-8 absolute for FedAvg). FedORGP's entry pins the
+current behaviour instead: its clients' initial models are now drawn from the run seed in a
+forked RNG (so they do not depend on how set-up consumed the global RNG on one process or
+several), which the old core did not do."""
 
 from pathlib import Path
 
@@ -10,6 +18,7 @@ import pytest
 import torch
 from core_reference import RUNS, STORED_WHOLE, digest, run
 
+RTOL, ATOL = 1e-5, 1e-6
 REFERENCE = torch.load(Path(__file__).parent / "data" / "core_v1_reference.pt", weights_only=True)
 
 
@@ -22,7 +31,7 @@ def test_new_core_reproduces_the_old_core_bit_for_bit(name):
         if isinstance(ref, dict):
             assert value.numel() > STORED_WHOLE
             mine = digest(value)
-            far = float((mine["values"] - ref["values"]).abs().max())
-            assert mine["sha256"] == ref["sha256"], f"{name} {key}: differs (max diff at samples {far:.3g})"
+            torch.testing.assert_close(mine["values"], ref["values"], rtol=RTOL, atol=ATOL, msg=f"{name} {key}")
+            assert mine["sum"] == pytest.approx(ref["sum"], rel=RTOL, abs=ATOL * value.numel())
         else:
-            assert torch.equal(value, ref), f"{name} {key}: max diff {float((value - ref).abs().max()):.3g}"
+            torch.testing.assert_close(value, ref, rtol=RTOL, atol=ATOL, msg=f"{name} {key}")

@@ -8,8 +8,7 @@ from fl_test_utils import fit, one_client_module, toy_data
 
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods import FedAvg, FedSOL
-from fl_lightning.methods.fedconst import (
+from fl_lightning.fedconst import (
     constrained_names,
     constraint_residuals,
     orthogonal_direction,
@@ -18,6 +17,7 @@ from fl_lightning.methods.fedconst import (
     rows,
     unit_rows,
 )
+from fl_lightning.methods import FedAvg, FedSOL
 from fl_lightning.models import build_model
 
 TOL = 1e-6
@@ -203,7 +203,7 @@ def test_float64_weights_are_constrained_in_float64(mode):
     """A float64 model keeps both invariants to ~1e-15 in cosine over many steps (a float32
     projection leaves ~1e-7), and the projection loses nothing to float32 rounding: after every
     step the weights equal w_g + P(w - w_g) computed independently in float64 (normal equations)."""
-    from fl_lightning.methods.fedconst import ChannelConstraint
+    from fl_lightning.fedconst import ChannelConstraint
 
     g = torch.Generator().manual_seed(0)
     model = torch.nn.Linear(37, 6, bias=False).double()

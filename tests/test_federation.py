@@ -6,14 +6,17 @@ from fl_test_utils import fit, register_tensors, toy_data
 
 from fl_lightning.data.datamodule import FederatedDataModule, sample_clients
 from fl_lightning.methods import FedAvg
-from fl_lightning.uploads import ClientUpload, weighted_average
+from fl_lightning.uploads import ClientUpload, RoundUploads
 
 
 def test_weighted_average_equals_hand_computation():
     a = {"w": torch.tensor([1.0, 2.0]), "n": torch.tensor(3)}
     b = {"w": torch.tensor([4.0, -2.0]), "n": torch.tensor(7)}
-    out = weighted_average([a, b], [10, 30])
+    # the uploads arrive in any order; integer buffers come from the lowest-numbered client
+    ups = RoundUploads([ClientUpload(5, 30, b), ClientUpload(2, 10, a)])
+    out = ups.weighted_average(lambda u: u.weights)
     torch.testing.assert_close(out["w"], torch.tensor([0.25 * 1 + 0.75 * 4, 0.25 * 2 - 0.75 * 2]))
+    assert out["w"].dtype == torch.float32 and list(out) == ["w", "n"]
     assert int(out["n"]) == 3  # integer buffers are not averaged
 
 
@@ -26,7 +29,7 @@ def test_fedavg_aggregate_weights_by_sample_count():
     ups = []
     for client, n, shift in [(0, 10, 1.0), (1, 30, -3.0)]:
         ups.append(ClientUpload(client, n, {k: v + shift for k, v in method.global_weights.items()}))
-    method.aggregate(ups)
+    method.aggregate(RoundUploads(ups))
     for k, v in method.model.state_dict().items():
         torch.testing.assert_close(v, method.global_weights[k] + (0.25 * 1.0 + 0.75 * -3.0))
 
@@ -36,7 +39,7 @@ def test_server_lr_scales_the_averaged_update():
     dm = FederatedDataModule(dataset=register_tensors(x, y), num_clients=1, partition="iid", min_size=1)
     method = FedAvg(model="mlp", data_spec=dm.spec, server_lr=0.5)
     method.round_start(0, [0])
-    method.aggregate([ClientUpload(0, 5, {k: v + 2.0 for k, v in method.global_weights.items()})])
+    method.aggregate(RoundUploads([ClientUpload(0, 5, {k: v + 2.0 for k, v in method.global_weights.items()})]))
     for k, v in method.model.state_dict().items():
         torch.testing.assert_close(v, method.global_weights[k] + 1.0)
 
@@ -166,19 +169,40 @@ def test_direct_steps_equal_lightning_wrapped_steps_and_count_every_step():
 
 
 def test_average_is_a_reducible_weighted_sum_plus_a_finishing_step():
-    """Partial weighted sums (as different processes would hold) add up to the average."""
-    from fl_lightning.uploads import finish_average, weighted_sum
-
+    """Partial float64 sums, as different processes hold them, add up to the average: a fake
+    two-process collective hands each share the other share's sums and metadata."""
     g = torch.Generator().manual_seed(0)
-    ups = [{"w": torch.randn(5, generator=g), "n": torch.tensor(i)} for i in range(4)]
-    weights = [3.0, 1.0, 2.0, 4.0]
-    coef = [w / sum(weights) for w in weights]
-    first, second = weighted_sum(ups[:2], coef[:2]), weighted_sum(ups[2:], coef[2:])
-    reduced = finish_average({"w": first["w"] + second["w"], "n": first["n"]}, ups[0])
-    expected = weighted_average(ups, weights)
-    torch.testing.assert_close(reduced["w"], expected["w"])
-    torch.testing.assert_close(expected["w"], sum(c * u["w"] for c, u in zip(coef, ups, strict=True)))
-    assert int(reduced["n"]) == int(expected["n"]) == 0
+    ups = [ClientUpload(i, n, {"w": torch.randn(5, generator=g), "n": torch.tensor(10 + i)})
+           for i, n in enumerate([3, 1, 2, 4])]
+    coef = [u.num_samples / 10 for u in ups]
+    expected = sum(c * u.weights["w"].double() for c, u in zip(coef, ups, strict=True)).float()
+
+    class Pair:  # what Collective does across two processes, for the share `mine`
+        distributed, world_size = True, 2
+
+        def __init__(self, other_share):
+            self.other = RoundUploads(other_share)
+
+        def gather(self, obj):
+            if isinstance(obj, dict) and "dtypes" in obj:  # weighted_average's metadata
+                u = min(self.other, key=lambda u: u.client)
+                theirs = {"dtypes": {k: v.dtype for k, v in u.weights.items()},
+                          "ints": (u.client, {"n": u.weights["n"]})}
+            else:  # sum's schema
+                theirs = obj
+            return [obj, theirs]
+
+        def sum(self, tensors):
+            w = lambda u: {"\0weight": float(u.num_samples),  # noqa: E731
+                           "w": u.weights["w"].double() * u.num_samples}
+            other = RoundUploads(self.other).sum(w)
+            return {k: v + other[k] for k, v in tensors.items()}
+
+    for mine, theirs in ((ups[2:], ups[:2]), (ups[:2], ups[2:])):
+        out = RoundUploads(mine, collective=Pair(theirs)).weighted_average(lambda u: u.weights)
+        torch.testing.assert_close(out["w"], expected)
+        assert int(out["n"]) == 10  # client 0's, wherever it trained
+    torch.testing.assert_close(RoundUploads(ups).weighted_average(lambda u: u.weights)["w"], expected)
 
 
 def test_every_typed_field_of_an_upload_is_checked_for_finiteness():

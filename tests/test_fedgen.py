@@ -10,7 +10,7 @@ from fl_test_utils import fit, fixed_parts_module, toy_data
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from fl_lightning.methods import FedGen
-from fl_lightning.methods.fedgen import diversity_loss
+from fl_lightning.methods.hetero.fedgen import diversity_loss
 from fl_lightning.uploads import ClientUpload
 
 NOISE_DIM = 8

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from fl_test_utils import fit, one_client_module, toy_data
 
 from fl_lightning.methods import FedORGP
-from fl_lightning.methods.prototypes import (
+from fl_lightning.methods.hetero.prototypes import (
     TrainablePrototypes,
     orthogonality_loss,
     separation,

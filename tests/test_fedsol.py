@@ -10,7 +10,7 @@ from fl_test_utils import fit, one_client_module, toy_data
 from torch.func import functional_call
 
 from fl_lightning.methods import FedSOL
-from fl_lightning.methods.fedsol import sol_perturbation
+from fl_lightning.methods.fedsol.fedsol import sol_perturbation
 
 LR, MOM, WD, RHO, T = 0.1, 0.9, 1e-3, 0.5, 3.0
 

@@ -12,7 +12,7 @@ from torch.func import functional_call
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods import FedSOL, ProximalProjection
-from fl_lightning.methods.fedsol import project_out_conflict
+from fl_lightning.methods.fedsol.fedsol import project_out_conflict
 
 LR, MOM, WD, RHO, T, MU, BETA = 0.1, 0.9, 1e-3, 0.5, 3.0, 0.7, 0.8
 

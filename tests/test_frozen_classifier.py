@@ -15,15 +15,15 @@ from torch.func import functional_call
 from fl_lightning.data.datamodule import FederatedDataModule
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.methods import DotRegression, FedAvg, FedBABU, FedDrPlus, FedETF, FedGELA, SphereFed
-from fl_lightning.methods.fedetf import balanced_softmax_loss
-from fl_lightning.methods.fedgela import locally_adapted_logits
-from fl_lightning.methods.frozen_classifier import (
+from fl_lightning.methods.frozen.base import (
     dot_regression_loss,
     feature_distillation_loss,
     orthonormal_classifier,
     simplex_etf,
 )
-from fl_lightning.methods.spherefed import feature_label_statistics, least_squares_classifier
+from fl_lightning.methods.frozen.fedetf import balanced_softmax_loss
+from fl_lightning.methods.frozen.fedgela import locally_adapted_logits
+from fl_lightning.methods.frozen.spherefed import feature_label_statistics, least_squares_classifier
 from fl_lightning.models import build_model
 
 

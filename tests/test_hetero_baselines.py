@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from fl_test_utils import fit, one_client_module, toy_data
 
 from fl_lightning.methods import FML, FedGH, FedKD, FedProto, FedTGP, LGFedAvg
-from fl_lightning.methods.mutual import compress_state, decompress_state, svd_compress
-from fl_lightning.methods.prototypes import margin_contrastive_loss
+from fl_lightning.methods.hetero.fml_fedkd import compress_state, decompress_state, svd_compress
+from fl_lightning.methods.hetero.prototypes import margin_contrastive_loss
 
 
 def _two_clients(cls, n=24, **kw):

@@ -13,7 +13,7 @@ from torch import nn
 from fl_lightning.data.datamodule import FederatedDataModule
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods import FedAvg, KNNPer, KNNPerModel
-from fl_lightning.methods.knn_per import holdout_split, interpolate, knn_probabilities
+from fl_lightning.methods.personalized.knn_per import holdout_split, interpolate, knn_probabilities
 from fl_lightning.models import FLModel
 from fl_lightning.personalization import PersonalizationCallback
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fl_test_utils import reproducible_rows
 
 from fl_lightning.checkpointing import completed_rounds
 from fl_lightning.client_store import read_client_states
@@ -83,7 +84,7 @@ def assert_same_run(a: Path, b: Path) -> None:
             assert torch.equal(clients_a[client][key], clients_b[client][key]), (client, key)
     rows_a, rows_b = read_metrics(a / "metrics.csv"), read_metrics(b / "metrics.csv")
     assert [r["round"] for r in rows_a] == list(range(1, ROUNDS + 1))
-    assert rows_a == rows_b
+    assert reproducible_rows(rows_a) == reproducible_rows(rows_b)
 
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,7 @@ SURFACE_KINDS = (*DIRECTION_KINDS, "none")
 def has_global_model(pl_module) -> bool:
     """Shared-model methods are analysed through their global model; model-heterogeneous ones
     (HeteroMethod, one model per client) through their clients' models."""
-    from fl_lightning.methods.hetero_base import HeteroMethod
+    from fl_lightning.methods.hetero.base import HeteroMethod
 
     return not isinstance(pl_module, HeteroMethod)
 
@@ -124,6 +124,9 @@ class AnalysisCallback(L.Callback):
     # ---- hooks --------------------------------------------------------------------------------
     def on_fit_start(self, trainer, pl_module) -> None:
         self.check_model(pl_module)
+        federation = _federation(trainer)
+        if self.divergence and federation is not None:
+            federation.share_round_uploads = True  # distances between every pair of the round's clients
         if self.partition and trainer.is_global_zero and hasattr(trainer.datamodule, "client_parts"):
             self.log_partition(trainer)
 

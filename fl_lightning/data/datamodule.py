@@ -26,6 +26,7 @@ from fl_lightning.data import partition as partitioners
 from fl_lightning.data.datasets import AUGMENTED_DATASETS, DataSpec, LabelledDataset, load_dataset, spec_of
 from fl_lightning.data.tensors import TensorImages, client_generator
 from fl_lightning.errors import FLUserError
+from fl_lightning.parallel import assign_clients, clients_in_parallel
 
 
 def sample_clients(num_clients: int, sample_ratio: float, seed: int, round_idx: int) -> list[int]:
@@ -263,6 +264,7 @@ class FederatedDataModule(L.LightningDataModule):
         self.client_parts: list[np.ndarray] = []
         self.client_test_parts: list[np.ndarray] = []
         self.round_plan: RoundPlan | None = None
+        self.rank_plan: RoundPlan | None = None  # this rank's clients of round_plan
         self._device_cache: dict[int, TensorImages] = {}
 
     @property
@@ -342,10 +344,17 @@ class FederatedDataModule(L.LightningDataModule):
         return RoundPlan(round_idx, work)
 
     def train_dataloader(self) -> DataLoader:
-        """One item per sampled client; `training_step` runs the client's local training."""
+        """One item per sampled client; `training_step` runs the client's local training. When
+        the round's clients train in parallel (parallel.py), each rank gets its share, balanced
+        by local steps; `round_plan` stays the whole round."""
         round_idx = self.trainer.current_epoch if self.trainer is not None else 0
         self.round_plan = self.plan_round(round_idx)
-        return DataLoader(_WorkItems(self.round_plan), batch_size=None, collate_fn=_no_collate)
+        mine = self.round_plan
+        if clients_in_parallel(self.trainer):
+            shares = assign_clients([c.num_steps for c in mine.clients], self.trainer.world_size)
+            mine = RoundPlan(round_idx, tuple(mine.clients[i] for i in shares[self.trainer.global_rank]))
+        self.rank_plan = mine
+        return DataLoader(_WorkItems(mine), batch_size=None, collate_fn=_no_collate)
 
     # ---- data on the device -------------------------------------------------------------------
     @property
@@ -368,6 +377,8 @@ class FederatedDataModule(L.LightningDataModule):
     def minibatches(self, work: ClientWork) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """A client's local mini-batches, in order, on the training device (this rank's share)."""
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
+        if clients_in_parallel(self.trainer):  # a whole client per rank: no batch to share
+            rank, world = 0, 1
         tensors = self._on_device(self.train_set)
         if tensors is None:  # image folders: decode and collate in a DataLoader
             shares = [b[rank_share(len(b), rank, world)].tolist() for b in work.batches]
@@ -405,7 +416,9 @@ class FederatedDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         # The papers evaluate the global model on the full test set every round; there is no
-        # separate validation split in their protocol.
+        # separate validation split in their protocol. Every process evaluates the whole test set
+        # (with clients in parallel they all hold the same global model): the logged values are
+        # then exactly the one-process run's.
         return self._eval_loader(self.test_set)
 
     def test_dataloader(self) -> DataLoader:

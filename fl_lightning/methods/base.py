@@ -22,7 +22,7 @@ Personalised evaluation starts fine-tuning from `finetune_start(client)`, whiche
 
 Every local step should go through `sgd_step(loss)` (backward, `after_backward`, optimizer step,
 `after_optimizer_step`): the base `after_optimizer_step` enforces the FedCONST constraint
-(`constraint` option, methods/fedconst.py), so overrides must call super().
+(`constraint` option, fedconst.py), so overrides must call super().
 """
 
 from __future__ import annotations
@@ -45,10 +45,11 @@ from fl_lightning.client_store import ClientStateStore
 from fl_lightning.data.datamodule import ClientWork
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.common import to_cpu
-from fl_lightning.methods.fedconst import CONSTRAINT_MODES, ChannelConstraint, constrained_names
+from fl_lightning.fedconst import CONSTRAINT_MODES, ChannelConstraint, constrained_names
 from fl_lightning.models import FLModel, build_model
-from fl_lightning.uploads import ClientUpload, weighted_average
+from fl_lightning.parallel import clients_in_parallel
+from fl_lightning.state import to_cpu
+from fl_lightning.uploads import ClientUpload, RoundUploads
 
 
 def abstract_base(cls: type) -> type:
@@ -80,7 +81,7 @@ class FederatedMethod(L.LightningModule):
         server_lr: global step size on the averaged update (1.0 = plain FedAvg).
         data_spec: classes / channels / image size; the CLI links it from the data module.
         constraint: FedCONST's per-channel convex constraints on the local update (see
-            methods/fedconst.py): "none", "joint" (exact projection) or "sequential" (the paper's
+            fedconst.py): "none", "joint" (exact projection) or "sequential" (the paper's
             Algorithm 1 order). Applied in `after_optimizer_step`, so every method that steps
             through `sgd_step` gets it ("+ CONST").
     """
@@ -163,6 +164,21 @@ class FederatedMethod(L.LightningModule):
         listeners = [(type(cb), L.Callback) for cb in trainer.callbacks] + [(type(self), L.LightningModule)]
         return not any(getattr(cls, h) is not getattr(base, h) for cls, base in listeners for h in hooks)
 
+    # ---- randomness ---------------------------------------------------------------------------
+    def run_seed(self) -> int:
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        return int(dm.hparams.seed) if dm is not None else 0
+
+    def server_seed(self) -> int:
+        """Seeds the server's random draws of this round (shuffles, generator samples)."""
+        return self.run_seed() * 1_000_003 + self.round_idx
+
+    def seed_client(self, client: int) -> None:
+        """Seeds the global RNG by (seed, round, client) as the client starts: its dropout and any
+        draw a method makes during local training are the same whichever process trains it, and
+        in a resumed run the same as in an uninterrupted one."""
+        torch.manual_seed(self.run_seed() * 1_000_003 + self.round_idx * 10_007 + client)
+
     # ---- the round (each sibling implements these) ---------------------------------------------
     def round_start(self, round_idx: int, clients: list[int]) -> None:
         """Server: take this round's starting state (before any client runs)."""
@@ -176,8 +192,11 @@ class FederatedMethod(L.LightningModule):
         """Client: what it sends (state it keeps without sending goes through keep_on_client)."""
         raise NotImplementedError
 
-    def aggregate(self, uploads: list[ClientUpload]) -> None:
-        """Server: the accepted uploads -> the next round's server state."""
+    def aggregate(self, uploads: RoundUploads) -> None:
+        """Server: the accepted uploads -> the next round's server state. Sums over the round's
+        clients go through `uploads.sum` / `uploads.weighted_average` (they reduce across
+        processes when clients train in parallel); iterating `uploads` gives the clients this
+        process trained (per-client server-side state belongs there)."""
         raise NotImplementedError
 
     def local_model_stats(self, test_loader: Callable[[], Iterable]) -> dict[str, float]:
@@ -241,16 +260,27 @@ class FederatedMethod(L.LightningModule):
             values[0].append(value.detach() if isinstance(value, torch.Tensor) else value)
             values[1].append(batch_size)
 
-    def flush_local_logs(self) -> dict[str, float]:
-        """The round's means of what `log_local` collected (and forgets them)."""
-        means = {}
+    def flush_local_logs(self) -> dict[str, tuple[float, float]]:
+        """What `log_local` collected this round on this process, as {key: (batch-size-weighted
+        sum, total batch size)} (and forgets it); `merge_local_logs` turns such parts into means."""
+        sums = {}
         for key, (values, sizes) in self._local_logs.items():
             values = torch.as_tensor([float(v) for v in values], dtype=torch.float64) if not all(
                 isinstance(v, torch.Tensor) for v in values) else torch.stack(values).double().cpu()
             weights = torch.as_tensor(sizes, dtype=torch.float64)
-            means[key] = float((values * weights).sum() / weights.sum())
+            sums[key] = (float((values * weights).sum()), float(weights.sum()))
         self._local_logs = {}
-        return means
+        return sums
+
+    @staticmethod
+    def merge_local_logs(parts: list[dict[str, tuple[float, float]]]) -> dict[str, float]:
+        """The round's means over the parts of every process (in rank order)."""
+        merged: dict[str, tuple[float, float]] = {}
+        for part in parts:
+            for key, (s, w) in part.items():
+                s0, w0 = merged.get(key, (0.0, 0.0))
+                merged[key] = (s0 + s, w0 + w)
+        return {key: s / w for key, (s, w) in merged.items()}
 
     def sgd_step(self, loss: torch.Tensor) -> None:
         opt = self.optimizers()
@@ -314,6 +344,13 @@ class FederatedMethod(L.LightningModule):
         so a client whose upload is dropped as non-finite keeps its previous state."""
         self._kept_states[self.current_client] = to_cpu(state)
 
+    runs_clients_in_parallel: bool = True  # see federation.FederatedCallback(parallel="clients")
+
+    def sync_client_states(self, collective) -> None:
+        """After the round's server step, with clients in parallel: every process learns where
+        the others put the states of the clients they trained (client_store.py)."""
+        self.client_states.sync(collective)
+
     def commit_kept_states(self, accepted: list[ClientUpload]) -> None:
         """Called by the federation after aggregation with the uploads the server accepted."""
         for u in accepted:
@@ -334,8 +371,9 @@ class FederatedMethod(L.LightningModule):
     # ---- multi-device -------------------------------------------------------------------------
     def mean_across_devices(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Gradients taken with torch.autograd.grad bypass DDP's all-reduce; average them here so
-        every rank perturbs identically (a no-op on one device)."""
-        if self._trainer is None or self._trainer.world_size == 1:
+        every rank perturbs identically (a no-op on one device, and when the ranks train different
+        clients: `--federation.parallel clients`)."""
+        if self._trainer is None or self._trainer.world_size == 1 or clients_in_parallel(self._trainer):
             return tensors
         return [self.trainer.strategy.reduce(t, reduce_op="mean") for t in tensors]
 
@@ -399,6 +437,7 @@ class SharedModelMethod(FederatedMethod):
     # ---- client -------------------------------------------------------------------------------
     def client_start(self, client: int, num_samples: int) -> None:
         self.current_client, self.current_num_samples = client, num_samples
+        self.seed_client(client)
         self.model.load_state_dict(self.global_weights)
         self.reset_optimizer_state()
         self.local_step = 0
@@ -438,9 +477,9 @@ class SharedModelMethod(FederatedMethod):
         return {"global_test_acc": correct / total if total else float("nan")}
 
     # ---- server: aggregation ------------------------------------------------------------------
-    def aggregate(self, uploads: list[ClientUpload]) -> None:
+    def aggregate(self, uploads: RoundUploads) -> None:
         """Sample-weighted FedAvg with a server step size: w_g + eta * (avg(w_k) - w_g)."""
-        avg = weighted_average([u.weights for u in uploads], [u.num_samples for u in uploads])
+        avg = uploads.weighted_average(lambda u: u.weights)
         self.load_global(self.server_step(avg))
 
     def server_step(self, avg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 
-from fl_lightning.methods.frozen_classifier import FrozenClassifierMethod
+from fl_lightning.methods.frozen.base import FrozenClassifierMethod
 from fl_lightning.models import FLModel
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fl_lightning.methods.frozen_classifier import FrozenClassifierMethod
+from fl_lightning.methods.frozen.base import FrozenClassifierMethod
 from fl_lightning.models import FLModel
 
 

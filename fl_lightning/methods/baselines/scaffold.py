@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.methods.base import SharedModelMethod
-from fl_lightning.methods.common import ServerStateMixin, effective_steps, state_or_zeros, to_cpu
-from fl_lightning.uploads import ClientUpload, weighted_average
+from fl_lightning.state import ServerStateMixin, effective_steps, state_or_zeros, to_cpu
+from fl_lightning.uploads import ClientUpload, RoundUploads
 
 
 class SCAFFOLD(ServerStateMixin, SharedModelMethod):
@@ -70,14 +70,14 @@ class SCAFFOLD(ServerStateMixin, SharedModelMethod):
                 upload.control_delta[n] = (g[n] - p.detach()) / scale - self.server_c[n]
         return upload
 
-    def aggregate(self, uploads: list[ClientUpload]) -> None:
-        avg = weighted_average([u.weights for u in uploads], [u.num_samples for u in uploads])
+    def aggregate(self, uploads: RoundUploads) -> None:
+        avg = uploads.weighted_average(lambda u: u.weights)
         num_clients = self.trainer.datamodule.num_clients
-        for u in uploads:
+        for u in uploads:  # c_i on the process that trained client i
             delta = u.control_delta
             old = self.client_states.get(u.client)
             new = {n: d.detach() + (0 if old is None else old[n].to(d.device)) for n, d in delta.items()}
             self.client_states[u.client] = to_cpu(new)
-            for n, d in delta.items():
-                self.server_c[n] += d / num_clients
+        for n, d in uploads.sum(lambda u: u.control_delta).items():  # c += sum_i delta c_i / N
+            self.server_c[n] += (d / num_clients).to(self.server_c[n].dtype)
         self.load_global(self.server_step(avg))

@@ -17,9 +17,9 @@ from torch import nn
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import abstract_base
-from fl_lightning.methods.hetero_base import HeteroMethod
-from fl_lightning.methods.prototypes import class_prototypes, prototype_upload, train_on_pairs, uploaded_pairs
-from fl_lightning.uploads import ClientUpload, weighted_average
+from fl_lightning.methods.hetero.base import HeteroMethod
+from fl_lightning.methods.hetero.prototypes import class_prototypes, prototype_upload, train_on_pairs, uploaded_pairs
+from fl_lightning.uploads import RoundUploads
 
 HEAD_PREFIX = "head."
 
@@ -52,9 +52,8 @@ class LGFedAvg(SharedHeadMethod):
     def upload(self) -> dict:
         return {"weights": {f"{HEAD_PREFIX}{k}": v.detach().clone() for k, v in self.model.head.state_dict().items()}}
 
-    def aggregate(self, uploads: list[ClientUpload]) -> None:
-        heads = [{k: v for k, v in u.weights.items() if k.startswith(HEAD_PREFIX)} for u in uploads]
-        avg = weighted_average(heads, [u.num_samples for u in uploads])
+    def aggregate(self, uploads: RoundUploads) -> None:
+        avg = uploads.weighted_average(lambda u: {k: v for k, v in u.weights.items() if k.startswith(HEAD_PREFIX)})
         self.global_head.load_state_dict({k.removeprefix(HEAD_PREFIX): v for k, v in avg.items()})
         self.broadcast_head()
 
@@ -81,9 +80,9 @@ class FedGH(SharedHeadMethod):
             class_prototypes(self.model, self.client_train_loader(self.current_client), self.device)
         )
 
-    def aggregate(self, uploads: list[ClientUpload]) -> None:
+    def aggregate(self, uploads: RoundUploads) -> None:
         h = self.hparams
-        protos, labels = uploaded_pairs(uploads, self.device)
+        protos, labels = uploaded_pairs(uploads.gathered(), self.device)  # trains on pairs: not a sum
         loss = train_on_pairs(
             self.global_head,
             protos,

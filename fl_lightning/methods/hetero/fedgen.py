@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.shared_head import HEAD_PREFIX, LGFedAvg
-from fl_lightning.uploads import ClientUpload
+from fl_lightning.methods.hetero.lgfedavg_fedgh import HEAD_PREFIX, LGFedAvg
+from fl_lightning.uploads import ClientUpload, RoundUploads
 
 
 class FeatureGenerator(nn.Module):
@@ -188,10 +188,12 @@ class FedGen(LGFedAvg):
         self.generator_trained.fill_(True)
         return float(loss.detach())
 
-    def aggregate(self, uploads: list[ClientUpload]) -> None:
-        for u in uploads:
+    def aggregate(self, uploads: RoundUploads) -> None:
+        # G learns from every head the round's clients trained (gathered from every process),
+        # before they are averaged away; every process trains the same G from the same draws.
+        everyone = uploads.gathered()
+        for u in everyone:
             self.client_label_counts[u.client] = u.label_counts.to(self.client_label_counts)
-        # G learns from the heads the clients trained, before they are averaged away.
-        loss = self.train_generator(uploads)
+        loss = self.train_generator(everyone)
         self.log("server/generator_loss", loss, on_step=False, on_epoch=True, batch_size=1)
         super().aggregate(uploads)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fl_lightning.methods.frozen_classifier import FixedClassifier, FrozenClassifierMethod, simplex_etf
+from fl_lightning.methods.frozen.base import FixedClassifier, FrozenClassifierMethod, simplex_etf
 from fl_lightning.models import FLModel, build_model
 
 

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import os
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
@@ -43,6 +45,7 @@ from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import FederatedMethod, abstract_base
 from fl_lightning.models.base import FLModel
 from fl_lightning.models.hetero import build_client_models, client_architecture, group_members
+from fl_lightning.parallel import clients_in_parallel
 from fl_lightning.uploads import ClientUpload
 
 
@@ -89,6 +92,7 @@ class HeteroMethod(FederatedMethod):
         self._stored_marks: dict[int, tuple[tuple, str]] = {}
         self._client_models: list[FLModel] = []
         self._anchor = [torch.zeros(1, requires_grad=True)]
+        self._trained: list[int] = []  # this round's clients on this process
         self.register_buffer("best_acc", torch.tensor(-1.0))
         self.register_buffer("best_round", torch.tensor(-1))
 
@@ -98,9 +102,16 @@ class HeteroMethod(FederatedMethod):
         return self._client_models
 
     def build_client_models(self, num_clients: int) -> None:
+        """The clients' initial models, drawn from the run's seed (`seed_everything`) whatever
+        happened to the global RNG before: set-up consumes it differently on one process and on
+        several (Lightning re-seeds each process as it joins), and the initial models must not
+        depend on that."""
         h = self.hparams
-        self._client_models = build_client_models(h.model, h.data_spec, h.feature_dim, num_clients)
-        self.on_client_models_built()
+        seed = int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed()))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self._client_models = build_client_models(h.model, h.data_spec, h.feature_dim, num_clients)
+            self.on_client_models_built()
 
     def on_client_models_built(self) -> None:
         """Hook: e.g. give every client the same initial shared head (LG-FedAvg, FedGH)."""
@@ -117,12 +128,16 @@ class HeteroMethod(FederatedMethod):
                 "model-heterogeneous methods evaluate each client on its own test split: set "
                 "data.client_test_fraction (the papers use 0.25)"
             )
-        if self.trainer.world_size > 1:
+        if self.trainer.world_size > 1 and not clients_in_parallel(self.trainer):
             # The installed client model is swapped in after DDP has wrapped the module, so its
             # gradients would not be synchronised across ranks.
-            raise FLUserError("model-heterogeneous methods run on one device; set --trainer.devices 1")
+            raise FLUserError("model-heterogeneous methods split over processes by client, not by batch: "
+                              "set --federation.parallel clients (or --trainer.devices 1)")
         if not self._client_models:
             self.build_client_models(dm.num_clients)
+            if clients_in_parallel(self.trainer):  # every process starts from rank 0's client models
+                for model in self._client_models:
+                    _sync_module_states(model)
         elif len(self._client_models) != dm.num_clients:
             raise FLUserError(
                 f"the method holds {len(self._client_models)} client models but the data has "
@@ -164,23 +179,14 @@ class HeteroMethod(FederatedMethod):
 
     # ---- the round ----------------------------------------------------------------------------
     def client_start(self, client: int, num_samples: int) -> None:
+        self._trained.append(client)
         self.current_client, self.current_num_samples = client, num_samples
-        # Dropout draws (GoogLeNet) are seeded by (seed, round, client): a resumed run trains
-        # exactly as an uninterrupted one.
-        torch.manual_seed(self.run_seed() * 1_000_003 + self.round_idx * 10_007 + client)
+        self.seed_client(client)
         self._install(client)
         self.receive(client)
         self._bind_optimizer()
         self.local_step = 0
         self.model.train()
-
-    def run_seed(self) -> int:
-        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        return int(dm.hparams.seed) if dm is not None else 0
-
-    def server_seed(self) -> int:
-        """Seeds the server's random draws of this round (shuffles, generator samples)."""
-        return self.run_seed() * 1_000_003 + self.round_idx
 
     def receive(self, client: int) -> None:
         """Hook: load what the server sends into the installed client (shared model, W_h, ...)."""
@@ -289,6 +295,25 @@ class HeteroMethod(FederatedMethod):
         """The client's own model, on the device (personalised evaluation copies it)."""
         return copy.deepcopy(self._client_models[client]).to(self.device)
 
+    # ---- clients in parallel -------------------------------------------------------------------
+    def round_start(self, round_idx: int, clients: list[int]) -> None:
+        super().round_start(round_idx, clients)
+        self._trained = []
+
+    def sync_client_states(self, collective) -> None:
+        """Every process holds every client model (each evaluates all of them after a round):
+        the models this process trained go to the others. After aggregation, so what a server
+        step writes into every client (LG-FedAvg's head) is in place on every process alike."""
+        super().sync_client_states(collective)
+        if not collective.distributed:
+            return
+        mine = {c: {k: v.detach().cpu() for k, v in self._client_models[c].state_dict().items()}
+                for c in self._trained}
+        for rank, part in enumerate(collective.gather(mine)):
+            if rank != collective.rank:
+                for client, state in part.items():
+                    self._client_models[client].load_state_dict(state)
+
     # ---- checkpoints --------------------------------------------------------------------------
     def configure_client_stores(self, directory, cache_size: int) -> None:
         super().configure_client_stores(directory, cache_size)
@@ -315,6 +340,8 @@ class HeteroMethod(FederatedMethod):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
+        if self._trainer is not None and clients_in_parallel(self.trainer) and self.trainer.global_rank != 0:
+            return  # rank 0 writes the checkpoint and, holding every client model, their files
         # only the models that changed since the last checkpoint are written (the clients that
         # trained, or all of them when the server sends every client something)
         for client in self._changed_models():

@@ -19,10 +19,10 @@ from typing import Literal
 import torch
 
 from fl_lightning.methods.base import FederatedMethod
-from fl_lightning.methods.feddyn import FedDyn
-from fl_lightning.methods.fedsol import FedSOL
-from fl_lightning.methods.moon import MOON
-from fl_lightning.methods.scaffold import SCAFFOLD
+from fl_lightning.methods.baselines.feddyn import FedDyn
+from fl_lightning.methods.baselines.moon import MOON
+from fl_lightning.methods.baselines.scaffold import SCAFFOLD
+from fl_lightning.methods.fedsol.fedsol import FedSOL
 
 Scope = Literal["head", "body", "all"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from fl_lightning.methods.frozen_classifier import FrozenClassifierMethod
+from fl_lightning.methods.frozen.base import FrozenClassifierMethod
 from fl_lightning.models import FLModel, build_model
 
 

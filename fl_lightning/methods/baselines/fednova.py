@@ -12,8 +12,8 @@ is not reproduced. Non-parameter buffers (e.g. BN statistics) are averaged as in
 from __future__ import annotations
 
 from fl_lightning.methods.base import SharedModelMethod
-from fl_lightning.methods.common import effective_steps
-from fl_lightning.uploads import ClientUpload, weighted_average
+from fl_lightning.state import effective_steps
+from fl_lightning.uploads import ClientUpload, RoundUploads
 
 
 class FedNova(SharedModelMethod):
@@ -22,16 +22,20 @@ class FedNova(SharedModelMethod):
         upload.local_steps = self.local_step
         return upload
 
-    def aggregate(self, uploads: list[ClientUpload]) -> None:
-        sizes = [u.num_samples for u in uploads]
-        total = float(sum(sizes))
-        p = [n / total for n in sizes]
-        a = [effective_steps(u.local_steps, self.hparams.momentum) for u in uploads]
-        tau_eff = sum(pi * ai for pi, ai in zip(p, a, strict=True))
-        new = weighted_average([u.weights for u in uploads], sizes)  # buffers; parameters are replaced below
+    def aggregate(self, uploads: RoundUploads) -> None:
+        new = uploads.weighted_average(lambda u: u.weights)  # buffers; parameters are replaced below
         g = self.global_params()
+        momentum = self.hparams.momentum
+
+        def terms(u):  # n_i a_i and (n_i / a_i)(w_g - w_i): p_i = n_i / n after the reduction
+            a = effective_steps(u.local_steps, momentum)
+            return {"n": float(u.num_samples), "n_a": u.num_samples * a,
+                    **{name: (u.num_samples / a) * (wg.double() - u.weights[name].double()) for name, wg in g.items()}}
+
+        sums = uploads.sum(terms)
+        n = float(sums.pop("n"))
+        tau_eff = float(sums.pop("n_a")) / n
         for name, wg in g.items():
-            d = sum((pi / ai) * (wg - u.weights[name]) for pi, ai, u in zip(p, a, uploads, strict=True))
-            new[name] = wg - self.hparams.server_lr * tau_eff * d
+            new[name] = (wg.double() - self.hparams.server_lr * tau_eff * sums[name] / n).to(wg.dtype)
         self.log("fednova/tau_eff", tau_eff, on_step=False, on_epoch=True, batch_size=1)
         self.load_global(new)

@@ -70,7 +70,7 @@ import torch
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import SharedModelMethod, abstract_base
-from fl_lightning.uploads import ClientUpload, weighted_average
+from fl_lightning.uploads import ClientUpload, RoundUploads
 
 
 @abstract_base
@@ -148,8 +148,8 @@ class PersonalHeadMethod(SharedModelMethod):
         return float(torch.sqrt(sq))
 
     # ---- server -------------------------------------------------------------------------------
-    def aggregate(self, uploads: list[ClientUpload]) -> None:
-        avg = weighted_average([u.weights for u in uploads], [u.num_samples for u in uploads])
+    def aggregate(self, uploads: RoundUploads) -> None:
+        avg = uploads.weighted_average(lambda u: u.weights)
         for k in self.personal_keys:  # the global head stays the initial one, bit for bit
             avg[k] = self.global_weights[k]
         self.load_global(self.server_step(avg))

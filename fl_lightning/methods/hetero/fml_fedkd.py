@@ -31,9 +31,9 @@ from torch import nn
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import abstract_base
-from fl_lightning.methods.hetero_base import HeteroMethod
+from fl_lightning.methods.hetero.base import HeteroMethod
 from fl_lightning.models.hetero import build_group_model
-from fl_lightning.uploads import ClientUpload, weighted_average
+from fl_lightning.uploads import RoundUploads
 
 
 def kl_to(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -42,7 +42,7 @@ def kl_to(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
 
 
 @abstract_base
-class SharedModelMethod(HeteroMethod):
+class MutualLearningMethod(HeteroMethod):
     """Keeps the server's shared model and the installed client's working copy of it.
 
     Args:
@@ -65,12 +65,12 @@ class SharedModelMethod(HeteroMethod):
     def upload(self) -> dict:
         return {"weights": {f"shared.{k}": v.detach().clone() for k, v in self.shared.state_dict().items()}}
 
-    def aggregate(self, uploads: list[ClientUpload]) -> None:
-        avg = weighted_average([u.weights for u in uploads], [u.num_samples for u in uploads])
+    def aggregate(self, uploads: RoundUploads) -> None:
+        avg = uploads.weighted_average(lambda u: u.weights)
         self.global_shared.load_state_dict({k.removeprefix("shared."): v for k, v in avg.items()})
 
 
-class FML(SharedModelMethod):
+class FML(MutualLearningMethod):
     """Federated Mutual Learning (Shen et al.): each client's model and the shared model teach each other.
 
     Args:
@@ -139,7 +139,7 @@ def decompress_state(tensors: dict[str, torch.Tensor], like: dict[str, torch.Ten
     return out
 
 
-class FedKD(SharedModelMethod):
+class FedKD(MutualLearningMethod):
     """FedKD: adaptive mutual distillation with hidden-state alignment and SVD-compressed exchange.
 
     Args:
@@ -188,10 +188,9 @@ class FedKD(SharedModelMethod):
     def upload(self) -> dict:
         return {"weights": compress_state(self.shared.state_dict(), self.energy(), "shared.")}
 
-    def aggregate(self, uploads: list[ClientUpload]) -> None:
+    def aggregate(self, uploads: RoundUploads) -> None:
         like = self.global_shared.state_dict()
-        states = [decompress_state(u.weights, like, "shared.") for u in uploads]
-        avg = weighted_average(states, [u.num_samples for u in uploads])
+        avg = uploads.weighted_average(lambda u: decompress_state(u.weights, like, "shared."))
         # the server sends the average back compressed too; clients receive the reconstruction
         sent = compress_state(avg, self.energy(), "")
         self.global_shared.load_state_dict(decompress_state(sent, like, ""))

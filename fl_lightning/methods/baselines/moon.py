@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import SharedModelMethod
-from fl_lightning.methods.common import ServerStateMixin, to_cpu
 from fl_lightning.models import FLModel
-from fl_lightning.uploads import ClientUpload
+from fl_lightning.state import ServerStateMixin, to_cpu
+from fl_lightning.uploads import RoundUploads
 
 
 def moon_contrastive_loss(z: torch.Tensor, z_global: torch.Tensor, z_prev: torch.Tensor,
@@ -85,7 +85,7 @@ class MOON(ServerStateMixin, SharedModelMethod):
         z = self.model.features(x)
         return F.cross_entropy(self.model.head(z), y) + self.contrastive_term(x, z)
 
-    def aggregate(self, uploads: list[ClientUpload]) -> None:
+    def aggregate(self, uploads: RoundUploads) -> None:
         for u in uploads:
             self.client_states[u.client] = to_cpu(u.weights)
         super().aggregate(uploads)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.frozen_classifier import (
+from fl_lightning.methods.frozen.base import (
     FrozenClassifierMethod,
     dot_regression_loss,
     feature_distillation_loss,

@@ -20,8 +20,8 @@ import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import SharedModelMethod
-from fl_lightning.methods.common import ServerStateMixin, state_or_zeros, to_cpu
-from fl_lightning.uploads import ClientUpload, weighted_average
+from fl_lightning.state import ServerStateMixin, state_or_zeros, to_cpu
+from fl_lightning.uploads import RoundUploads
 
 
 class FedDyn(ServerStateMixin, SharedModelMethod):
@@ -65,12 +65,12 @@ class FedDyn(ServerStateMixin, SharedModelMethod):
         x, y = batch
         return F.cross_entropy(self.model(x), y) + self.dynamic_regularizer(dict(self.model.named_parameters()))
 
-    def aggregate(self, uploads: list[ClientUpload]) -> None:
+    def aggregate(self, uploads: RoundUploads) -> None:
         alpha = self.hparams.alpha
         num_clients = self.trainer.datamodule.num_clients
         g = self.global_params()
-        new = weighted_average([u.weights for u in uploads], [1.0] * len(uploads))
-        for u in uploads:
+        new = uploads.weighted_average(lambda u: u.weights, weight=lambda u: 1.0)
+        for u in uploads:  # g_i on the process that trained client i
             old = self.client_states.get(u.client)
             state = {}
             for n, wg in g.items():
@@ -78,8 +78,10 @@ class FedDyn(ServerStateMixin, SharedModelMethod):
                     continue
                 delta = u.weights[n].to(wg.device) - wg
                 state[n] = (0 if old is None else old[n].to(wg.device)) - alpha * delta
-                self.server_h[n] -= (alpha / num_clients) * delta
             self.client_states[u.client] = to_cpu(state)
+        deltas = uploads.sum(lambda u: {n: u.weights[n] - wg for n, wg in g.items() if n in self.server_h})
+        for n, delta in deltas.items():  # h -= (alpha / N) sum_i (w_i - w_g)
+            self.server_h[n] -= ((alpha / num_clients) * delta).to(self.server_h[n].dtype)
         for n, h in self.server_h.items():
             new[n] = new[n] - h / alpha
         self.load_global(new)

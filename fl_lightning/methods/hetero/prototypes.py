@@ -30,8 +30,8 @@ from torch import nn
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import abstract_base
-from fl_lightning.methods.hetero_base import HeteroMethod
-from fl_lightning.uploads import ClientUpload
+from fl_lightning.methods.hetero.base import HeteroMethod
+from fl_lightning.uploads import ClientUpload, RoundUploads
 
 
 # ---- shared pieces ------------------------------------------------------------------------------
@@ -212,8 +212,8 @@ class PrototypeMethod(HeteroMethod):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def aggregate(self, uploads: list[ClientUpload]) -> None:
-        protos, labels = uploaded_pairs(uploads, self.device)
+    def aggregate(self, uploads: RoundUploads) -> None:
+        protos, labels = uploaded_pairs(uploads.gathered(), self.device)  # pooled per class: not a sum
         new, seen = self.server_prototypes(protos, labels)
         self.global_protos.copy_(new.detach())
         self.has_proto.copy_(seen)

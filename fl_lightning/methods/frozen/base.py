@@ -31,7 +31,7 @@ from torch import nn
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import SharedModelMethod, abstract_base
 from fl_lightning.models import FLModel, build_model
-from fl_lightning.uploads import ClientUpload, weighted_average
+from fl_lightning.uploads import ClientUpload, RoundUploads
 
 
 def _orthonormal_columns(d: int, num_classes: int, seed: int) -> torch.Tensor:
@@ -144,8 +144,8 @@ class FrozenClassifierMethod(SharedModelMethod):
             upload.stats.update(self.alignment_stats())
         return upload
 
-    def aggregate(self, uploads: list[ClientUpload]) -> None:
-        avg = weighted_average([u.weights for u in uploads], [u.num_samples for u in uploads])
+    def aggregate(self, uploads: RoundUploads) -> None:
+        avg = uploads.weighted_average(lambda u: u.weights)
         for name in self.frozen_names():
             avg[name] = self.global_weights[name]
         self.load_global(self.server_step(avg))

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.fedavg import FedAvg
+from fl_lightning.methods.baselines.fedavg import FedAvg
 from fl_lightning.models import FLModel
 
 DISTANCES = ("squared", "euclidean")

@@ -15,19 +15,25 @@ import torch
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import SharedModelMethod
-from fl_lightning.methods.common import ServerStateMixin, to_device
-from fl_lightning.uploads import ClientUpload, weighted_average
+from fl_lightning.state import ServerStateMixin, to_device
+from fl_lightning.uploads import RoundUploads
+
+
+def fedexp_step(spread: float, mean_sq: float, num_clients: int, eps: float) -> float:
+    """max(1, 0.5 * spread / (mean_sq + S * eps)) with spread = sum_i p_i ||Delta_i||^2 and
+    mean_sq = ||sum_i p_i Delta_i||^2."""
+    return max(1.0, 0.5 * spread / (mean_sq + num_clients * eps))
 
 
 def fedexp_step_size(deltas: list[dict[str, torch.Tensor]], weights: list[float], eps: float) -> float:
-    """max(1, 0.5 * sum_i p_i ||Delta_i||^2 / (||sum_i p_i Delta_i||^2 + S * eps)), in float64."""
+    """The step size from the clients' updates themselves, in float64 (a reference for tests)."""
     total = float(sum(weights))
     p = [w / total for w in weights]
     spread = sum(pi * sum(float((d.double() ** 2).sum()) for d in delta.values())
                  for pi, delta in zip(p, deltas, strict=True))
     mean_sq = sum(float((sum(pi * delta[k].double() for pi, delta in zip(p, deltas, strict=True)) ** 2).sum())
                   for k in deltas[0])
-    return max(1.0, 0.5 * spread / (mean_sq + len(deltas) * eps))
+    return fedexp_step(spread, mean_sq, len(deltas), eps)
 
 
 class FedExP(ServerStateMixin, SharedModelMethod):
@@ -54,12 +60,14 @@ class FedExP(ServerStateMixin, SharedModelMethod):
             self.model.load_state_dict(to_device(self.iterate, self.device))
         super().round_start(round_idx, clients)
 
-    def aggregate(self, uploads: list[ClientUpload]) -> None:
-        sizes = [float(u.num_samples) for u in uploads]
+    def aggregate(self, uploads: RoundUploads) -> None:
         g = self.global_params()
-        deltas = [{n: u.weights[n] - wg for n, wg in g.items()} for u in uploads]
-        eta = fedexp_step_size(deltas, sizes, self.hparams.eps)
-        new = weighted_average([u.weights for u in uploads], sizes)  # buffers as in FedAvg
+        new = uploads.weighted_average(lambda u: u.weights)  # buffers as in FedAvg
+        # sum_i p_i ||Delta_i||^2 is a weighted sum too; ||Delta||^2 is the average's distance
+        spread = uploads.sum(lambda u: {"n": float(u.num_samples), "sq": float(u.num_samples) * sum(
+            float(((u.weights[n].double() - wg.double()) ** 2).sum()) for n, wg in g.items())})
+        mean_sq = sum(float(((new[n].double() - wg.double()) ** 2).sum()) for n, wg in g.items())
+        eta = fedexp_step(float(spread["sq"] / spread["n"]), mean_sq, uploads.count, self.hparams.eps)
         for n, wg in g.items():
             new[n] = wg + eta * (new[n] - wg)
         self.iterate = {k: v.detach().clone() for k, v in new.items()}

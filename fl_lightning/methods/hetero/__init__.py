@@ -1,0 +1,1 @@
+"""Model-heterogeneous methods (FedORGP paper): every client owns a model of its own architecture."""

@@ -1,0 +1,144 @@
+"""A round's clients in parallel processes (`--federation.parallel clients`, fl_lightning/parallel.py).
+
+The multi-process runs are real: torchrun starts 2 or 3 CPU processes (gloo) that run the CLI.
+Every comparison is against the plain one-process run, which never touches the parallel code.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fl_lightning.client_store import read_client_states
+from fl_lightning.parallel import assign_clients
+
+HERE = Path(__file__).parent
+RUNS = HERE / "parallel_runs.py"
+SHARED_MODEL_METHODS = ["FedAvg", "FedSOL", "SCAFFOLD", "FedDyn", "MOON", "FedExP", "FedNova"]
+HETERO_METHODS = ["FedORGP", "FedGen"]  # per-client models, prototypes, a server-side generator
+HETERO = ["--data.client_test_fraction", "0.25", "--model.init_args.model", "mlp,mlp",
+          "--model.init_args.feature_dim", "16"]
+RTOL = 1e-6  # the stated tolerance; on CPU the runs are in fact bit-identical (asserted separately)
+
+
+def launch(out: Path, methods: list[str], processes: int, *extra: str, timeout: int = 900) -> None:
+    """Runs the methods' tiny fits on `processes` processes (torchrun when > 1); a deadlock fails
+    by the timeout instead of hanging the suite."""
+    prefix = [sys.executable]
+    if processes > 1:
+        prefix += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    proc = subprocess.run([*prefix, str(RUNS), str(out), ",".join(methods), *extra], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def checkpoint(root: Path) -> dict:
+    return torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+
+
+def metric_rows(root: Path) -> list[dict[str, float]]:
+    with open(root / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    # perf/* is each run's own clock; everything else must agree
+    return [{k: float(v) for k, v in r.items() if v != "" and not k.startswith("perf/")} for r in rows]
+
+
+def assert_same_tensors(a, b, where: str, exact: list[bool]) -> None:
+    if isinstance(a, dict):
+        assert set(a) == set(b), f"{where}: keys differ"
+        for k in a:
+            assert_same_tensors(a[k], b[k], f"{where}.{k}", exact)
+    elif isinstance(a, torch.Tensor):
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=RTOL * 1e-2, msg=lambda m: f"{where}: {m}")
+        exact.append(torch.equal(a, b))
+    elif a is not None:
+        assert a == b, where
+
+
+def assert_same_run(one: Path, other: Path, exact: list[bool]) -> None:
+    a, b = checkpoint(one), checkpoint(other)
+    assert_same_tensors(a["state_dict"], b["state_dict"], "state_dict", exact)
+    assert_same_tensors(a.get("fl_server_state"), b.get("fl_server_state"), "server state", exact)
+    # every client's persistent state (c_i, g_i, MOON's previous model), whichever process held it
+    assert_same_tensors(read_client_states(a["fl_client_states"]), read_client_states(b["fl_client_states"]),
+                        "client states", exact)
+    if "fl_client_models" in a:  # model-heterogeneous: every client's own model
+        models = [read_client_states({k: v for k, v in c["fl_client_models"].items() if k != "num_clients"})
+                  for c in (a, b)]
+        assert_same_tensors(models[0], models[1], "client models", exact)
+    rows_a, rows_b = metric_rows(one), metric_rows(other)
+    assert [r["round"] for r in rows_a] == [r["round"] for r in rows_b] == [1.0, 2.0, 3.0]
+    for ra, rb in zip(rows_a, rows_b, strict=True):
+        assert set(ra) == set(rb)
+        for key in ra:
+            assert rb[key] == pytest.approx(ra[key], rel=RTOL, abs=1e-9), f"{other}: {key}"
+
+
+def test_one_two_and_three_processes_train_the_same_models(tmp_path):
+    """FedAvg, FedSOL, SCAFFOLD, FedDyn, MOON, FedExP, FedNova, FedORGP and FedGen, 3 rounds, 5
+    clients a round with dirichlet(0.1) sizes: 2 processes train 3 + 2 clients, 3 processes
+    2 + 2 + 1, so ranks run different numbers of clients and local steps (which must not
+    deadlock). The global model, the server state, every client's state (and own model) and
+    every logged per-round metric equal the plain one-process run's. One thread per process, as
+    CPU matmuls round differently with different thread counts."""
+    for processes in (1, 2, 3):
+        launch(tmp_path / f"p{processes}", SHARED_MODEL_METHODS, processes)
+        launch(tmp_path / f"p{processes}", HETERO_METHODS, processes, *HETERO)
+    exact: list[bool] = []
+    for method in SHARED_MODEL_METHODS + HETERO_METHODS:
+        for processes in (2, 3):
+            assert_same_run(tmp_path / "p1" / method, tmp_path / f"p{processes}" / method, exact)
+    assert all(exact), "within tolerance, but no longer bit-identical on CPU"
+
+
+@pytest.mark.parametrize("first,second", [(2, 1), (1, 2)])
+def test_resume_on_a_different_number_of_processes_equals_the_uninterrupted_run(tmp_path, first, second):
+    """SCAFFOLD (per-client control variates in the client-state store): 2 rounds on `first`
+    processes, then `--ckpt_path last` to round 3 on `second` processes. (The class-wise heatmap,
+    drawn at a run's last round, is off: the first part's last round is 2.)"""
+    no_heatmap = ("--analysis.heatmap_every_n_rounds", "0")
+    launch(tmp_path / "straight", ["SCAFFOLD"], 1, *no_heatmap)
+    launch(tmp_path / "split", ["SCAFFOLD"], first, "--trainer.max_epochs", "2", *no_heatmap)
+    saved = checkpoint(tmp_path / "split" / "SCAFFOLD")["fl_client_states"]["manifest"]
+    # every client that trained in rounds 1-2 is named exactly once, whichever process wrote it
+    assert len(set(saved.values())) == len(saved) > 0
+    assert all(Path(p).exists() for p in saved.values())
+    launch(tmp_path / "split", ["SCAFFOLD"], second, "--trainer.max_epochs", "3", "--ckpt_path", "last", *no_heatmap)
+    assert_same_run(tmp_path / "straight" / "SCAFFOLD", tmp_path / "split" / "SCAFFOLD", [])
+
+
+def test_clients_are_balanced_by_local_steps_and_every_rank_gets_one():
+    assert assign_clients([10, 1, 1, 1, 1, 1], 2) == [[0], [1, 2, 3, 4, 5]]
+    assert assign_clients([5, 5, 5, 5], 3) == [[0, 3], [1], [2]]
+    for steps in ([3, 1, 4, 1, 5, 9, 2, 6], [1] * 7, [100, 1, 1]):
+        for world in (1, 2, 3):
+            shares = assign_clients(steps, world)
+            assert sorted(p for s in shares for p in s) == list(range(len(steps)))
+            assert all(shares) and shares == assign_clients(steps, world)
+            loads = [sum(steps[p] for p in s) for s in shares]
+            # greedy longest-first: no rank exceeds the lightest by more than the largest client
+            assert max(loads) - min(loads) <= max(steps)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--model", "FedAvg", "--data.sample_ratio", "0.1"],
+     "error: --federation.parallel clients: 2 processes but only 1 clients per round; use at most 1 processes "
+     "(--trainer.devices x --trainer.num_nodes) or sample more clients (--data.sample_ratio)"),
+])
+def test_impossible_client_parallelism_is_one_line_and_exit_2_before_any_launch(tmp_path, extra, message):
+    from parallel_runs import TINY
+
+    args = [*TINY[:TINY.index("--model.init_args.model")], *TINY[TINY.index("--model.init_args.model") + 2:]]
+    proc = subprocess.run([sys.executable, "-m", "fl_lightning.cli", "fit", *extra, *args, "--trainer.strategy", "ddp",
+                           "--trainer.devices", "2", "--trainer.default_root_dir", str(tmp_path / "run")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == message
+    assert "Initializing distributed" not in proc.stderr  # refused before any process was launched
