@@ -2,10 +2,11 @@
 single-file configs defined, with the same resolved config.
 
 Each row of configs/README.md's table names a former config and its command now. Its
-`--print_config` (the CLI's own parser, in this process) must equal the former file's, kept in
-tests/data/experiment_configs/ (tests/data/make_experiment_configs.py wrote them from git), except
-for the differences listed in `expected_differences`. Most configs need real datasets, so they are
-parsed, not trained, here.
+`--print_config` must equal the former file's (the files are kept verbatim in
+tests/data/experiment_configs/; tests/data/make_experiment_configs.py wrote them from git), both
+parsed now by the CLI's own parser in this process, so an option added to the code later changes
+both alike; the only differences allowed are those of `expected_differences`. Most configs need
+real datasets, so they are parsed, not trained, here.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from fl_lightning.sweep import cli_parser
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
-REFERENCES = REPO / "tests" / "data" / "experiment_configs"
+FORMER = REPO / "tests" / "data" / "experiment_configs"
 ROW = re.compile(r"^\| `(?P<old>[^`]+)` \| `fl-lightning fit (?P<args>[^`]+)` \| `(?P<run>[^`]+)` \|$")
 EXPERIMENTS = [m.groupdict() for line in (CONFIGS / "README.md").read_text().splitlines() if (m := ROW.match(line))]
 SETTINGS = sorted((CONFIGS / "settings").glob("*.yaml"))
@@ -53,6 +54,13 @@ def differences(old: dict, new: dict) -> dict:
     return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 
+def former_files(name: str) -> list[Path]:
+    """`fedorgp/fml_cifar10_pathological+demo_mnist5k_hmg3`: that file with the overlay after it."""
+    first, *overlays = name.split("+")
+    folder = FORMER / Path(first).parent
+    return [FORMER / f"{first}.yaml", *(folder / f"{o}.yaml" for o in overlays)]
+
+
 def expected_differences(old_name: str, old: dict) -> dict:
     """The run's directory and W&B name are no longer written in the files: they come from the
     --config file names when the run starts (null in --print_config). data.seed is null = the
@@ -70,15 +78,18 @@ def expected_differences(old_name: str, old: dict) -> dict:
 
 
 def test_every_former_config_has_a_command():
-    documented = {e["old"] for e in EXPERIMENTS}
-    references = {str(p.relative_to(REFERENCES))[: -len(".yaml")] for p in REFERENCES.rglob("*.yaml")}
-    assert len(references) == 87 and documented == references
-    assert len(EXPERIMENTS) == len(documented)
+    former = {str(p.relative_to(FORMER))[: -len(".yaml")] for p in FORMER.rglob("*.yaml")}
+    overlays = {n for n in former if Path(n).name.startswith("demo_")}
+    assert len(former) == 79 and overlays == {"fedorgp/demo_mnist5k_hmg3"}
+    documented = [e["old"] for e in EXPERIMENTS]
+    assert len(documented) == len(set(documented)) == 87
+    assert former - overlays <= set(documented)  # every former experiment file on its own
+    assert all(f.exists() for name in documented for f in former_files(name))
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS, ids=lambda e: e["old"])
 def test_composed_config_equals_the_former_single_file(experiment):
-    old = yaml.safe_load((REFERENCES / f"{experiment['old']}.yaml").read_text())
+    old = print_config([a for f in former_files(experiment["old"]) for a in ("--config", str(f))])
     args = experiment["args"].split()
     files = args[1::2]
     assert args[::2] == ["--config"] * len(files)
