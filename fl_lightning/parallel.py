@@ -20,6 +20,7 @@ accumulate in float64.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -48,6 +49,9 @@ class ClientParallelStrategy(DDPStrategy):
         # train different numbers of clients. A signal is handled by the CLI in the process that
         # receives it (cli.py), and the launcher (Lightning's, torchrun's) stops the others.
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+        # Every process logs the same round values (the round's reductions made them equal), so
+        # Lightning's advice to sync epoch-level logs across devices does not apply.
+        warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting.*")
 
 
 for _name, _start in DDP_START_METHODS.items():

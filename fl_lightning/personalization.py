@@ -24,6 +24,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from fl_lightning.errors import FLUserError
+from fl_lightning.methods.base import LossContext
 
 
 class PersonalizationCallback(L.Callback):
@@ -35,7 +36,8 @@ class PersonalizationCallback(L.Callback):
         epochs: fine-tuning epochs at which each client's model is evaluated (cumulative, e.g.
             [1, 5] = FedSOL-FT's e = 1 and e = 5 from one 5-epoch fine-tuning).
         objective: "ce" (FedAvg-FT, FedSOL-FT, FedBABU-FT) or "method": the method's own local
-            loss `finetune_loss` (FedDr+FT), with the global model as the frozen teacher.
+            loss (its `loss` hook, as in local training; FedDr+FT), with the model fine-tuning
+            starts from as the frozen teacher.
         finetune: "trainable" = the parameters the method trains locally (a frozen classifier stays
             frozen); "all" = every parameter, frozen head included (FedBABU-FT).
         lr: fine-tuning lr (None = the method's initial lr).
@@ -158,7 +160,7 @@ class PersonalizationCallback(L.Callback):
                 for x, y in dm.client_loader(client, "train", shuffle=True, seed=self.seed * 100003 + epoch):
                     x, y = x.to(device), y.to(device)
                     if self.objective == "method":
-                        loss = pl_module.finetune_loss(model, (x, y), teacher, counts)
+                        loss = pl_module.loss(model, (x, y), LossContext(teacher, counts, finetuning=True))
                     else:
                         loss = torch.nn.functional.cross_entropy(model(x), y)
                     opt.zero_grad(set_to_none=True)

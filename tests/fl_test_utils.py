@@ -62,9 +62,10 @@ def fixed_parts_module(x, y, parts, num_classes=None, **kw) -> FederatedDataModu
 
 
 def fit(method, datamodule, rounds: int = 1, callbacks=(), eval_local_models=False, ckpt_path=None,
-        on_divergence="stop", federation_kw=None, **trainer_kw) -> L.Trainer:
+        on_divergence="stop", federation_kw=None, trainer_class=L.Trainer, **trainer_kw) -> L.Trainer:
     """A short federated fit on CPU; pass a ModelCheckpoint in `callbacks` (checkpointing is then
-    switched on) and `ckpt_path` to resume; `federation_kw` goes to the FederatedCallback."""
+    switched on) and `ckpt_path` to resume; `federation_kw` goes to the FederatedCallback;
+    `trainer_class` e.g. the CLI's FLTrainer (gradient clipping)."""
     federation = FederatedCallback(eval_local_models=eval_local_models, on_divergence=on_divergence,
                                    **(federation_kw or {}))
     kw = dict(
@@ -74,7 +75,7 @@ def fit(method, datamodule, rounds: int = 1, callbacks=(), eval_local_models=Fal
         callbacks=[federation, *callbacks],
     )
     kw.update(trainer_kw)
-    trainer = L.Trainer(**kw)
+    trainer = trainer_class(**kw)
     trainer.fit(method, datamodule, ckpt_path=ckpt_path)
     return trainer
 

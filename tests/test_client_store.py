@@ -3,6 +3,7 @@ a checkpoint writes only the states that changed (bytes scale with participation
 killed at any moment (here: mid-round, and between writing the state files and the checkpoint)
 resumes to exactly the uninterrupted run."""
 
+import gc
 import os
 import signal
 import subprocess
@@ -10,13 +11,16 @@ import sys
 import textwrap
 from pathlib import Path
 
+import lightning as L
 import pytest
 import torch
-from fl_test_utils import assert_same_run, fit, one_client_module, toy_data
+from fl_test_utils import assert_same_run, assert_same_tensors, fit, one_client_module, toy_data
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from fl_lightning.client_store import ClientStateStore
-from fl_lightning.methods import SCAFFOLD, FedProto
+from fl_lightning.data.datamodule import FederatedDataModule
+from fl_lightning.methods import SCAFFOLD, FedORGP, FedProto, LGFedAvg
+from fl_lightning.models.hetero import PooledFeatureModel
 
 
 def state(value: float) -> dict[str, torch.Tensor]:
@@ -161,3 +165,56 @@ def test_checkpoint_bytes_per_round_scale_with_the_clients_that_trained(tmp_path
     for later in (1, 2):  # 2 of 10 clients trained
         assert per_round[0.2][later] == pytest.approx(2 * one_model, rel=0.05)
         assert per_round[1.0][later] == pytest.approx(10 * one_model, rel=0.05)
+
+
+# ---- heterogeneous client models live in the store ----------------------------------------------
+class CountsLiveClientModels(L.Callback):
+    """After every client: the client models alive as modules, and the weights held in memory."""
+
+    def __init__(self):
+        self.modules, self.cached = [], []
+
+    def on_train_batch_end(self, trainer, pl_module, *args):
+        gc.collect()
+        self.modules.append(sum(isinstance(o, PooledFeatureModel) for o in gc.get_objects()))
+        self.cached.append(len(pl_module.client_model_states._cache))
+
+
+def _hetero_digits_run(method_cls, cache_size, root, rounds=2, callbacks=(), ckpt_path=None):
+    torch.manual_seed(0)
+    dm = FederatedDataModule(dataset="digits", num_clients=6, sample_ratio=0.5, local_epochs=1, batch_size=16,
+                             partition="dirichlet", alpha=0.5, min_size=10, client_test_fraction=0.25)
+    method = method_cls(model="mlp,fedavg_cnn", feature_dim=8, lr=0.05, data_spec=dm.spec)
+    checkpoint = ModelCheckpoint(dirpath=root / "ckpt", save_last=True, every_n_epochs=1)
+    fit(method, dm, rounds=rounds, federation_kw={"client_cache_size": cache_size},
+        callbacks=[*callbacks, checkpoint], ckpt_path=ckpt_path)
+    return method
+
+
+def _client_weights(method) -> list[dict[str, torch.Tensor]]:
+    return [{k: v.clone() for k, v in m.state_dict().items()} for m in method.client_models]
+
+
+@pytest.mark.parametrize("method_cls", [FedORGP, LGFedAvg])
+def test_heterogeneous_client_models_live_in_the_store(tmp_path, method_cls):
+    """A cache of one client gives the same run as an unlimited cache, and with it at most one
+    client's weights and one module per architecture (2 here, for 6 clients) are in memory."""
+    counter = CountsLiveClientModels()
+    one = _hetero_digits_run(method_cls, 1, tmp_path / "one", callbacks=[counter])
+    unlimited = _hetero_digits_run(method_cls, 0, tmp_path / "all")
+    assert max(counter.cached) <= 1
+    assert max(counter.modules) <= 2, counter.modules  # the architectures' modules, not 6 clients'
+    assert len(list((tmp_path / "one" / "ckpt" / "client_states" / "models").glob("client*.safetensors"))) >= 6
+    for a, b in zip(_client_weights(one), _client_weights(unlimited), strict=True):
+        assert_same_tensors(a, b)
+    assert_same_tensors(one.state_dict(), unlimited.state_dict())  # the server state too
+
+
+def test_resume_with_a_bounded_cache_restores_every_client_model(tmp_path):
+    straight = _hetero_digits_run(LGFedAvg, 1, tmp_path / "straight", rounds=3)
+    _hetero_digits_run(LGFedAvg, 1, tmp_path / "interrupted", rounds=2)
+    torch.manual_seed(123)
+    resumed = _hetero_digits_run(LGFedAvg, 1, tmp_path / "interrupted", rounds=3,
+                                 ckpt_path=str(tmp_path / "interrupted" / "ckpt" / "last.ckpt"))
+    for a, b in zip(_client_weights(straight), _client_weights(resumed), strict=True):
+        assert_same_tensors(a, b)

@@ -152,14 +152,14 @@ def test_local_loss_is_plain_ce_first_then_adds_ce_on_generated_features():
     xb, yb = x[:6], y[:6]
     model = method.client_models[1]
     method.model = model
-    torch.testing.assert_close(method.local_loss((xb, yb)), F.cross_entropy(model(xb), yb))
+    torch.testing.assert_close(method.loss(model, (xb, yb), method.loss_context()), F.cross_entropy(model(xb), yb))
     method.model = None
 
     fit(method, dm, rounds=1)
     method.train()  # as Lightning leaves the module during local training
     method.model = model
     torch.manual_seed(11)
-    loss = method.local_loss((xb, yb))
+    loss = method.loss(model, (xb, yb), method.loss_context())
     torch.manual_seed(11)
     # labels come from all clients' label distribution: client 1 also sees generated class 0
     labels = torch.multinomial(torch.tensor([8.0, 10.0, 8.0]), 6, replacement=True)

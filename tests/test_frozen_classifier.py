@@ -15,6 +15,7 @@ from torch.func import functional_call
 from fl_lightning.data.datamodule import FederatedDataModule
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.methods import DotRegression, FedAvg, FedBABU, FedDrPlus, FedETF, FedGELA, SphereFed
+from fl_lightning.methods.base import LossContext
 from fl_lightning.methods.frozen.base import (
     dot_regression_loss,
     feature_distillation_loss,
@@ -172,7 +173,7 @@ def test_spherefed_objective_is_mse_to_one_hot_of_cosines():
     x, y = torch.randn(6, 1, 4, 4), torch.tensor([0, 1, 2, 0, 1, 2])
     cos = F.normalize(method.model.features(x), dim=1) @ method.model.head.weight.T
     expected = ((cos - F.one_hot(y, 3)) ** 2).sum(1).mean()
-    torch.testing.assert_close(method.objective(method.model, x, y), expected)
+    torch.testing.assert_close(method.loss(method.model, (x, y), LossContext()), expected)
 
 
 def test_fedetf_and_fedgela_local_objectives():

@@ -68,7 +68,7 @@ def test_fedproto_mean_prototypes_mse_loss_and_nearest_prototype_prediction():
     xb, yb = x[:6], y[:6]
     feats = model.features(xb)
     expected = F.cross_entropy(model.head(feats), yb) + 2.0 * F.mse_loss(feats, method.global_protos[yb])
-    torch.testing.assert_close(method.local_loss((xb, yb)), expected)
+    torch.testing.assert_close(method.loss(model, (xb, yb), method.loss_context()), expected)
     # prediction: the nearest global prototype
     logits = method.predict_logits(xb)
     nearest = torch.cdist(feats, method.global_protos).argmin(1)
@@ -108,7 +108,7 @@ def test_fml_local_loss_is_the_mutual_distillation_formula():
     expected = (0.3 * F.cross_entropy(z, yb) + 0.7 * kl(z, zg)) + (
         0.6 * F.cross_entropy(zg, yb) + 0.4 * kl(zg, z)
     )
-    torch.testing.assert_close(method.local_loss((xb, yb)), expected)
+    torch.testing.assert_close(method.loss(model, (xb, yb), method.loss_context()), expected)
     method.model = None
 
 

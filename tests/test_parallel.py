@@ -136,7 +136,7 @@ def test_impossible_client_parallelism_is_one_line_and_exit_2_before_any_launch(
     from parallel_runs import TINY
 
     args = [*TINY[:TINY.index("--model.init_args.model")], *TINY[TINY.index("--model.init_args.model") + 2:]]
-    proc = subprocess.run([sys.executable, "-m", "fl_lightning.cli", "fit", *extra, *args, "--trainer.strategy", "ddp",
+    proc = subprocess.run([sys.executable, "-m", "fl_lightning.cli", "fit", *args, *extra, "--trainer.strategy", "ddp",
                            "--trainer.devices", "2", "--trainer.default_root_dir", str(tmp_path / "run")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]

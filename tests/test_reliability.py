@@ -34,10 +34,11 @@ METHODS = {
     "scaffold": ["--config", str(REPO / "configs/settings/fedsol_cifar10.yaml"), "--config",
                  str(REPO / "configs/methods/fedsol/scaffold.yaml"), "--model.init_args.model", "mlp",
                  "--data.augment", "false", *TINY],
+    # a bounded cache: client models are evicted to files mid-round, where the kill lands
     "fedproto": ["--config", str(REPO / "configs/settings/fedorgp_cifar10_pathological.yaml"), "--config",
                  str(REPO / "configs/methods/fedorgp/fedproto.yaml"),
                  "--model.init_args.model", "mlp,mlp", "--model.init_args.feature_dim", "16",
-                 "--data.augment", "false", *TINY],
+                 "--data.augment", "false", "--federation.client_cache_size", "2", *TINY],
 }
 
 
@@ -76,12 +77,13 @@ def assert_same_run(a: Path, b: Path) -> None:
     assert sa["state_dict"].keys() == sb["state_dict"].keys()
     for key in sa["state_dict"]:
         assert torch.equal(sa["state_dict"][key], sb["state_dict"][key]), key
-    clients_a = read_client_states(sa.get("fl_client_states", {}))
-    clients_b = read_client_states(sb.get("fl_client_states", {}))
-    assert clients_a.keys() == clients_b.keys()
-    for client in clients_a:
-        for key in clients_a[client]:
-            assert torch.equal(clients_a[client][key], clients_b[client][key]), (client, key)
+    for kind in ("fl_client_states", "fl_client_models"):  # clients' own states and models
+        clients_a = read_client_states(sa.get(kind, {}))
+        clients_b = read_client_states(sb.get(kind, {}))
+        assert clients_a.keys() == clients_b.keys()
+        for client in clients_a:
+            for key in clients_a[client]:
+                assert torch.equal(clients_a[client][key], clients_b[client][key]), (kind, client, key)
     rows_a, rows_b = read_metrics(a / "metrics.csv"), read_metrics(b / "metrics.csv")
     assert [r["round"] for r in rows_a] == list(range(1, ROUNDS + 1))
     assert reproducible_rows(rows_a) == reproducible_rows(rows_b)

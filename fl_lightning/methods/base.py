@@ -6,7 +6,8 @@ combines the uploads. The federated callback (federation.py) calls these hooks i
     client_start(client, n)          client: load the global state (+ its own persistent state),
                                      fresh optimizer state
     training_step(work)              client: its whole local training, calling
-                                     minibatch_step(batch) once per local mini-batch
+                                     minibatch_step(batch) once per local mini-batch, which by
+                                     default steps on loss(self.model, batch, loss_context())
     client_end() -> ClientUpload     client: what it sends; state it keeps without sending it goes
                                      through keep_on_client (committed if the upload is accepted)
     local_model_stats(test_loader)   client: measures of its trained model (local/* means)
@@ -18,17 +19,21 @@ Two siblings implement them over the common base `FederatedMethod`: `SharedModel
 global model every client starts from; between rounds `self.model` holds it, so Lightning's
 validation loop, checkpoints and `validate`/`test` see it with no extra plumbing) and
 `hetero_base.HeteroMethod` (each client its own architecture, evaluated on its own test split).
-Personalised evaluation starts fine-tuning from `finetune_start(client)`, whichever the family.
+Personalised evaluation starts fine-tuning from `finetune_start(client)`, whichever the family,
+and with `objective: method` fine-tunes on the same `loss(model, batch, context)` hook as local
+training (one loss hook; `LossContext` says what else a loss may use).
 
-Every local step should go through `sgd_step(loss)` (backward, `after_backward`, optimizer step,
-`after_optimizer_step`): the base `after_optimizer_step` enforces the FedCONST constraint
-(`constraint` option, fedconst.py), so overrides must call super().
+Every local step should go through `sgd_step(loss)` (backward, `after_backward`, gradient clipping
+(`--trainer.gradient_clip_val`), optimizer step, `after_optimizer_step`): the base
+`after_optimizer_step` enforces the FedCONST constraint (`constraint` option, fedconst.py), so
+overrides must call super().
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -59,6 +64,27 @@ def abstract_base(cls: type) -> type:
     concrete methods unless marked too."""
     cls.__abstractmethods__ = frozenset({"(a base class, not a method)"})
     return cls
+
+
+@dataclass(frozen=True)
+class LossContext:
+    """What a method's `loss(model, batch, context)` may use besides the model and the batch.
+
+    Attributes:
+        teacher: a frozen model the training started from: in local training the round-start
+            global model, for methods that set `needs_global_model`; in personalised fine-tuning
+            the model the fine-tuning started from. None when there is none.
+        class_counts: the client's training class counts (float, on the device), or None.
+        finetuning: True in personalised fine-tuning of a copy. The method's federated state
+            (this round's global weights, the client's stored state, the server's shared models,
+            prototypes or generator) then does not belong to `model`, so loss terms built on it
+            are left out: fine-tuning uses the method's objective as far as it is defined on one
+            model, its teacher and the class counts.
+    """
+
+    teacher: nn.Module | None = None
+    class_counts: torch.Tensor | None = None
+    finetuning: bool = False
 
 
 @abstract_base
@@ -127,6 +153,7 @@ class FederatedMethod(L.LightningModule):
         self._base_after_step_ran = False
         self._local_logs: dict[str, tuple[list, list[int]]] = {}
         self._direct_steps = False  # see sgd_step
+        self._gradient_clip: tuple[float, str] = (0.0, "norm")  # see clip_local_gradients
 
     # ---- optimizer ----------------------------------------------------------------------------
     def local_parameters(self) -> Iterable[nn.Parameter]:
@@ -152,6 +179,10 @@ class FederatedMethod(L.LightningModule):
 
     def on_train_start(self) -> None:
         self._direct_steps = self._steps_need_no_lightning_wrappers()
+        # --trainer.gradient_clip_val / _algorithm: Lightning refuses them under manual
+        # optimization, so the CLI's Trainer (analysis/command.py:FLTrainer) keeps them for us
+        self._gradient_clip = (float(getattr(self.trainer, "local_gradient_clip_val", 0.0) or 0.0),
+                               getattr(self.trainer, "local_gradient_clip_algorithm", "norm"))
 
     def _steps_need_no_lightning_wrappers(self) -> bool:
         """True on one device with 32-bit precision when neither a callback nor the module
@@ -161,7 +192,7 @@ class FederatedMethod(L.LightningModule):
         if type(trainer.strategy) is not SingleDeviceStrategy or type(trainer.precision_plugin) is not Precision:
             return False
         hooks = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
-        listeners = [(type(cb), L.Callback) for cb in trainer.callbacks] + [(type(self), L.LightningModule)]
+        listeners = [(type(cb), L.Callback) for cb in trainer.callbacks] + [(type(self), FederatedMethod)]
         return not any(getattr(cls, h) is not getattr(base, h) for cls, base in listeners for h in hooks)
 
     # ---- randomness ---------------------------------------------------------------------------
@@ -227,9 +258,18 @@ class FederatedMethod(L.LightningModule):
         return {}
 
     # ---- the local training ---------------------------------------------------------------------
-    def local_loss(self, batch) -> torch.Tensor:
+    def loss(self, model: nn.Module, batch, context: LossContext) -> torch.Tensor:
+        """The method's local objective on `model` for one mini-batch (x, y): the one loss hook of
+        both local training (`minibatch_step`: `loss(self.model, batch, self.loss_context())`)
+        and personalised fine-tuning with `objective: method` (a copy of the start model, context
+        with `finetuning=True`, `personalization.py`). Plain CE here; methods whose local loss
+        differs override this, computing on `model`, never on `self.model`."""
         x, y = batch
-        return F.cross_entropy(self.model(x), y)
+        return F.cross_entropy(model(x), y)
+
+    def loss_context(self) -> LossContext:
+        """What `loss` may use in the current client's local training (see LossContext)."""
+        return LossContext()
 
     def training_step(self, work: ClientWork, batch_idx: int) -> None:
         """One Trainer batch is one client: its whole local training, one `minibatch_step` per
@@ -246,7 +286,7 @@ class FederatedMethod(L.LightningModule):
 
     def minibatch_step(self, batch) -> torch.Tensor | None:
         """One local step on one mini-batch (x, y); methods with their own step override this."""
-        loss = self.local_loss(batch)
+        loss = self.loss(self.model, batch, self.loss_context())
         self.sgd_step(loss)
         self.log_local({"train/loss": loss}, len(batch[1]))
         return loss.detach()
@@ -286,10 +326,12 @@ class FederatedMethod(L.LightningModule):
         opt = self.optimizers()
         if self._direct_steps:
             # one device, 32-bit, no per-step hook anyone listens to: Lightning's backward and step
-            # wrappers would only dispatch empty hooks; the step counter still advances
+            # wrappers would only dispatch empty hooks (and this module's on_before_optimizer_step,
+            # called here instead); the step counter still advances
             opt.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.after_backward()
+            self.on_before_optimizer_step(opt.optimizer)
             opt.optimizer.step()
             progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
             progress.increment_ready()
@@ -308,6 +350,22 @@ class FederatedMethod(L.LightningModule):
 
     def after_backward(self) -> None:
         """Hook between backward and step: gradient corrections (SCAFFOLD, constraints)."""
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Lightning calls this right before every local step (`sgd_step` calls it itself on its
+        direct path), after a loss scaler has unscaled the gradients: the place to clip them.
+        Overrides must call super()."""
+        self.clip_local_gradients(optimizer)
+
+    def clip_local_gradients(self, optimizer) -> None:
+        """`--trainer.gradient_clip_val` / `--trainer.gradient_clip_algorithm` on every local step,
+        through Lightning's `clip_gradients` (its precision plugin). The clipped gradient is the one
+        the optimizer steps with: after `after_backward`'s corrections (SCAFFOLD's c - c_i, FedSOL's
+        projection), and after any perturbation (FedSAM/FedSOL's perturbed gradient); weight decay
+        and momentum come after, inside the optimizer, as with Lightning's automatic clipping."""
+        clip_val, algorithm = self._gradient_clip
+        if clip_val > 0:
+            self.clip_gradients(optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm)
 
     def after_optimizer_step(self) -> None:
         """Hook after every local step: projections that must hold after momentum/weight decay.
@@ -493,15 +551,9 @@ class SharedModelMethod(FederatedMethod):
         self.model.load_state_dict(state)
         self.current_client = None
 
-    # ---- personalisation ----------------------------------------------------------------------
-    def finetune_loss(self, model: FLModel, batch, teacher: FLModel | None = None,
-                      counts: torch.Tensor | None = None) -> torch.Tensor:
-        """The method's own local objective evaluated on `model` (a copy of the global model being
-        fine-tuned on one client; `teacher` = the frozen global model it started from, `counts` =
-        the client's class counts). Personalised fine-tuning with `objective: method` calls this;
-        methods whose local loss is not plain CE override it (e.g. FedDr+FT)."""
-        x, y = batch
-        return F.cross_entropy(model(x), y)
+    def loss_context(self) -> LossContext:
+        """The round-start global model is the teacher of methods that set needs_global_model."""
+        return LossContext(teacher=self._global_model if self.needs_global_model else None)
 
     # ---- evaluation ---------------------------------------------------------------------------
     def _eval_step(self, batch, acc: MulticlassAccuracy, loss: MeanMetric) -> None:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import SharedModelMethod
+from fl_lightning.methods.base import LossContext, SharedModelMethod
 from fl_lightning.state import ServerStateMixin, state_or_zeros, to_cpu
 from fl_lightning.uploads import RoundUploads
 
@@ -61,9 +61,12 @@ class FedDyn(ServerStateMixin, SharedModelMethod):
                 prox = prox + ((p - g[n]) ** 2).sum()
         return 0.5 * self.hparams.alpha * prox - linear
 
-    def local_loss(self, batch):
+    def loss(self, model, batch, context: LossContext):
         x, y = batch
-        return F.cross_entropy(self.model(x), y) + self.dynamic_regularizer(dict(self.model.named_parameters()))
+        ce = F.cross_entropy(model(x), y)
+        if context.finetuning:  # the regulariser is built on the client's g_i and this round's w_g
+            return ce
+        return ce + self.dynamic_regularizer(dict(model.named_parameters()))
 
     def aggregate(self, uploads: RoundUploads) -> None:
         alpha = self.hparams.alpha

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import SharedModelMethod
+from fl_lightning.methods.base import LossContext, SharedModelMethod
 
 
 def not_true_logits(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -48,11 +48,14 @@ class FedNTD(SharedModelMethod):
             raise FLUserError(f"FedNTD needs beta >= 0 and tau > 0, got beta={beta}, tau={tau}")
         self.save_hyperparameters()
 
-    def local_loss(self, batch):
+    def loss(self, model, batch, context: LossContext):
+        """Distils from `context.teacher`: the round-start global model in local training, the
+        model fine-tuning started from in personalised fine-tuning."""
         x, y = batch
-        logits = self.model(x)
+        logits = model(x)
         with torch.no_grad():
-            global_logits = self.global_model(x)
+            global_logits = context.teacher(x)
         ntd = ntd_loss(logits, global_logits, y, self.hparams.tau)
-        self.log_local({"fedntd/ntd_loss": ntd}, len(y))
+        if not context.finetuning:
+            self.log_local({"fedntd/ntd_loss": ntd}, len(y))
         return F.cross_entropy(logits, y) + self.hparams.beta * ntd

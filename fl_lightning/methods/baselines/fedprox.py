@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import SharedModelMethod
+from fl_lightning.methods.base import LossContext, SharedModelMethod
 
 
 class FedProx(SharedModelMethod):
@@ -27,8 +27,11 @@ class FedProx(SharedModelMethod):
             raise FLUserError(f"FedProx mu must be >= 0, got {mu}")
         self.save_hyperparameters()
 
-    def local_loss(self, batch):
+    def loss(self, model, batch, context: LossContext):
         x, y = batch
+        ce = F.cross_entropy(model(x), y)
+        if context.finetuning:  # the proximal anchor is this round's global model
+            return ce
         g = self.global_params()
-        prox = sum(((p - g[n]) ** 2).sum() for n, p in self.model.named_parameters() if p.requires_grad)
-        return F.cross_entropy(self.model(x), y) + 0.5 * self.hparams.mu * prox
+        prox = sum(((p - g[n]) ** 2).sum() for n, p in model.named_parameters() if p.requires_grad)
+        return ce + 0.5 * self.hparams.mu * prox

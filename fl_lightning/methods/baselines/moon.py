@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import SharedModelMethod
+from fl_lightning.methods.base import LossContext, SharedModelMethod
 from fl_lightning.models import FLModel
 from fl_lightning.state import ServerStateMixin, to_cpu
 from fl_lightning.uploads import RoundUploads
@@ -80,10 +80,12 @@ class MOON(ServerStateMixin, SharedModelMethod):
         self.log_local({"moon/contrastive_loss": con}, len(x))
         return self.hparams.mu * con
 
-    def local_loss(self, batch):
+    def loss(self, model, batch, context: LossContext):
         x, y = batch
-        z = self.model.features(x)
-        return F.cross_entropy(self.model.head(z), y) + self.contrastive_term(x, z)
+        if context.finetuning:  # the contrastive term needs the client's previous-round model
+            return F.cross_entropy(model(x), y)
+        z = model.features(x)
+        return F.cross_entropy(model.head(z), y) + self.contrastive_term(x, z)
 
     def aggregate(self, uploads: RoundUploads) -> None:
         for u in uploads:

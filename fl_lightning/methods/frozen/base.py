@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import SharedModelMethod, abstract_base
+from fl_lightning.methods.base import LossContext, SharedModelMethod, abstract_base
 from fl_lightning.models import FLModel, build_model
 from fl_lightning.uploads import ClientUpload, RoundUploads
 
@@ -93,8 +93,9 @@ def feature_distillation_loss(features: torch.Tensor, teacher_features: torch.Te
 @abstract_base
 class FrozenClassifierMethod(SharedModelMethod):
     """Base of the frozen-classifier family. Subclasses choose the head in `build_network` and their
-    local objective in `objective(model, x, y, teacher)` (also used by personalised fine-tuning
-    with the method's own loss, e.g. FedDr+FT).
+    local objective in `loss(model, batch, context)` (the one loss hook, also used by personalised
+    fine-tuning with the method's own loss, e.g. FedDr+FT; `context.teacher` is the frozen model
+    training started from, `context.class_counts` the client's class counts).
 
     Args:
         classifier_seed: seed of the fixed classifier V (the same V on the server and all clients).
@@ -151,21 +152,10 @@ class FrozenClassifierMethod(SharedModelMethod):
         self.load_global(self.server_step(avg))
 
     # ---- objective ----------------------------------------------------------------------------
-    def objective(self, model: FLModel, x: torch.Tensor, y: torch.Tensor, teacher: FLModel | None = None,
-                  counts: torch.Tensor | None = None) -> torch.Tensor:
-        return F.cross_entropy(model(x), y)
-
-    def local_loss(self, batch) -> torch.Tensor:
-        x, y = batch
-        teacher = self.global_model if self.needs_global_model else None
-        return self.objective(self.model, x, y, teacher, self.client_counts)
-
-    def finetune_loss(self, model: FLModel, batch, teacher: FLModel | None = None,
-                      counts: torch.Tensor | None = None) -> torch.Tensor:
-        """The method's own local objective on `model` (personalised fine-tuning, e.g. FedDr+FT);
-        `teacher` is the frozen global model the fine-tuning started from."""
-        x, y = batch
-        return self.objective(model, x, y, teacher, counts)
+    def loss_context(self) -> LossContext:
+        """Also the client's class counts (FedGELA's and FedETF's locally adapted losses)."""
+        return LossContext(teacher=self._global_model if self.needs_global_model else None,
+                           class_counts=self.client_counts)
 
     # ---- analyses -----------------------------------------------------------------------------
     def classifier_vectors(self) -> torch.Tensor:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.errors import FLUserError
+from fl_lightning.methods.base import LossContext
 from fl_lightning.methods.frozen.base import (
     FrozenClassifierMethod,
     dot_regression_loss,
@@ -28,8 +29,8 @@ class DotRegression(FrozenClassifierMethod):
 
     fixed_head = ("etf", True)
 
-    def objective(self, model: FLModel, x: torch.Tensor, y: torch.Tensor, teacher: FLModel | None = None,
-                  counts: torch.Tensor | None = None) -> torch.Tensor:
+    def loss(self, model: FLModel, batch, context: LossContext) -> torch.Tensor:
+        x, y = batch
         return dot_regression_loss(model.features(x), y, model.head.weight)
 
 
@@ -48,13 +49,13 @@ class FedDrPlus(DotRegression):
             raise FLUserError(f"FedDrPlus beta must be in [0, 1] (paper 0.9; 1 is plain dot-regression), got {beta}")
         self.save_hyperparameters()
 
-    def objective(self, model: FLModel, x: torch.Tensor, y: torch.Tensor, teacher: FLModel | None = None,
-                  counts: torch.Tensor | None = None) -> torch.Tensor:
+    def loss(self, model: FLModel, batch, context: LossContext) -> torch.Tensor:
+        x, y = batch
         beta = self.hparams.beta
         features = model.features(x)
         loss = beta * dot_regression_loss(features, y, model.head.weight)
-        if teacher is not None and beta < 1.0:
+        if context.teacher is not None and beta < 1.0:
             with torch.no_grad():
-                teacher_features = teacher.features(x)
+                teacher_features = context.teacher.features(x)
             loss = loss + (1.0 - beta) * feature_distillation_loss(features, teacher_features)
         return loss

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fl_lightning.methods.base import LossContext
 from fl_lightning.methods.frozen.base import FixedClassifier, FrozenClassifierMethod, simplex_etf
 from fl_lightning.models import FLModel, build_model
 
@@ -59,9 +60,9 @@ class FedETF(FrozenClassifierMethod):
         model.head = ProjectedETFHead(model.feature_dim, dim, etf, self._temperature)
         return model
 
-    def objective(self, model: FLModel, x: torch.Tensor, y: torch.Tensor, teacher: FLModel | None = None,
-                  counts: torch.Tensor | None = None) -> torch.Tensor:
+    def loss(self, model: FLModel, batch, context: LossContext) -> torch.Tensor:
+        x, y = batch
         logits = model(x)
-        if self.hparams.balanced_loss and counts is not None:
-            return balanced_softmax_loss(logits, y, counts)
+        if self.hparams.balanced_loss and context.class_counts is not None:
+            return balanced_softmax_loss(logits, y, context.class_counts)
         return F.cross_entropy(logits, y)

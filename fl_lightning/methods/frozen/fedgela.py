@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fl_lightning.methods.base import LossContext
 from fl_lightning.methods.frozen.base import FrozenClassifierMethod
 from fl_lightning.models import FLModel
 
@@ -25,9 +26,9 @@ def locally_adapted_logits(logits: torch.Tensor, class_counts: torch.Tensor) -> 
 class FedGELA(FrozenClassifierMethod):
     fixed_head = ("etf", False)
 
-    def objective(self, model: FLModel, x: torch.Tensor, y: torch.Tensor, teacher: FLModel | None = None,
-                  counts: torch.Tensor | None = None) -> torch.Tensor:
+    def loss(self, model: FLModel, batch, context: LossContext) -> torch.Tensor:
+        x, y = batch
         logits = model(x)
-        if counts is not None:
-            logits = locally_adapted_logits(logits, counts)
+        if context.class_counts is not None:
+            logits = locally_adapted_logits(logits, context.class_counts)
         return F.cross_entropy(logits, y)

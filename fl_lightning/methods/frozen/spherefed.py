@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 
+from fl_lightning.methods.base import LossContext
 from fl_lightning.methods.frozen.base import FrozenClassifierMethod
 from fl_lightning.models import FLModel
 
@@ -65,8 +66,8 @@ class SphereFed(FrozenClassifierMethod):
 
     fixed_head = ("orthonormal", True)
 
-    def objective(self, model: FLModel, x: torch.Tensor, y: torch.Tensor, teacher: FLModel | None = None,
-                  counts: torch.Tensor | None = None) -> torch.Tensor:
+    def loss(self, model: FLModel, batch, context: LossContext) -> torch.Tensor:
+        x, y = batch
         logits = model(x)
         sq = (logits - F.one_hot(y, logits.shape[1]).to(logits.dtype)) ** 2
         return sq.sum(1).mean() if self.hparams.mse_reduction == "sum" else sq.mean()

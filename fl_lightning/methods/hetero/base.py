@@ -3,19 +3,24 @@
 There is no global model: client k owns its own architecture (`models/hetero.py`, client k gets
 model k mod |group|) and keeps it across rounds. How that fits the contract of `base.py`:
 
-- The N client models live in a plain list, not as submodules, so Lightning neither moves them
-  to the accelerator nor puts them in `state_dict`. They stay on the CPU; `client_start` moves the
-  client's model to the device and installs it as `self.model` (so `local_loss`, `sgd_step`,
-  `predict_logits` work unchanged), `client_end` moves it back. Between clients `self.model` is
-  None: there is no global model.
+- The N client models live in a client-state store (`client_model_states`, client_store.py): a
+  cache of at most `--federation.client_cache_size` clients' weights in memory, the rest in
+  per-client files next to the checkpoints. A client's model exists as a module only while it is
+  used: `client_start` loads the client's weights into the one module kept per architecture
+  (`client_architecture(client)`), on the device, and installs it as `self.model` (so `loss`,
+  `sgd_step`, `predict_logits` work unchanged); `client_end` writes the trained weights back to
+  the store. Evaluation and personalised fine-tuning load them the same way. So the memory of
+  client models is bounded by the cache, not by N. Between clients `self.model` is None: there
+  is no global model.
 - The local optimizer is created once (Lightning's `configure_optimizers`) over a one-element
   anchor tensor; `client_start` rebinds its parameter group to the client's parameters and clears
   its state (fresh momentum for every client, every round), `client_end` rebinds it to the anchor
   so checkpoints hold a client-independent optimizer.
-- Every client model is kept in a client-state store next to the round checkpoint, which names
-  the files (`fl_client_models`); a checkpoint writes only the models that changed since the last
-  one, and resume restores them all. The server state of each method (prototypes, heads, shared models) is registered on
-  the module and rides in `state_dict`.
+- The round checkpoint names the store's files (`fl_client_models`); it writes only the models
+  that changed since the last one (the clients that trained), and resume restores them all. The
+  server state of each method (prototypes, heads, shared models) is registered on the module and
+  rides in `state_dict`; what the server gives every client (LG-FedAvg's head) is applied when a
+  client's model is loaded (`on_client_model_loaded`), not written into every client's file.
 - Evaluation is personalised, as in the papers: after every round each client's own model is
   evaluated on its own test split, and accuracy = total correct / total test samples over all
   clients (`clients/test_acc`, with the best round so far in `clients/best_test_acc`). The
@@ -30,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -39,12 +44,12 @@ from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from fl_lightning.client_store import ClientStateStore, state_digest
+from fl_lightning.client_store import ClientStateStore
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import FederatedMethod, abstract_base
 from fl_lightning.models.base import FLModel
-from fl_lightning.models.hetero import build_client_models, client_architecture, group_members
+from fl_lightning.models.hetero import build_group_model, client_architecture, group_members
 from fl_lightning.parallel import clients_in_parallel
 from fl_lightning.uploads import ClientUpload
 
@@ -86,11 +91,14 @@ class HeteroMethod(FederatedMethod):
             **kwargs,
         )
         self.save_hyperparameters()
-        self.model: FLModel | None = None  # the installed client's model, only while it trains
-        # every client's model as of the last checkpoint, in files next to it (client_store.py)
+        self.model: FLModel | None = None  # the installed client's model, only while it is used
+        self._installed_client: int | None = None
+        # every client's model weights: a bounded cache over files next to the checkpoints
         self.client_model_states = ClientStateStore()
-        self._stored_marks: dict[int, tuple[tuple, str]] = {}
-        self._client_models: list[FLModel] = []
+        self._num_clients = 0  # 0: the client models are not built yet
+        self._expected_clients: int | None = None  # the data's number of clients (setup)
+        # one module per architecture, into which the client in use is loaded (never two at once)
+        self._architecture_modules: dict[str, FLModel] = {}
         self._anchor = [torch.zeros(1, requires_grad=True)]
         self._trained: list[int] = []  # this round's clients on this process
         self.register_buffer("best_acc", torch.tensor(-1.0))
@@ -98,23 +106,55 @@ class HeteroMethod(FederatedMethod):
 
     # ---- client models ------------------------------------------------------------------------
     @property
-    def client_models(self) -> list[FLModel]:
-        return self._client_models
+    def num_clients(self) -> int:
+        self._ensure_client_models()
+        return self._num_clients
 
-    def build_client_models(self, num_clients: int) -> None:
-        """The clients' initial models, drawn from the run's seed (`seed_everything`) whatever
-        happened to the global RNG before: set-up consumes it differently on one process and on
-        several (Lightning re-seeds each process as it joins), and the initial models must not
-        depend on that."""
+    @property
+    def client_models(self) -> Sequence[FLModel]:
+        """Client k's model as a new module on the CPU, loaded from the store: a snapshot for
+        reading (analyses, tests); changing it does not change the client's model."""
+        self._ensure_client_models()
+        return _ClientModelSnapshots(self)
+
+    def build_client_models(self, num_clients: int, store: bool = True) -> None:
+        """Builds every client's initial model in client order and writes each to the store as
+        soon as it is built, so a bounded cache holds at most its size in memory. `store=False`
+        keeps only one module per architecture (a checkpoint is about to provide the weights).
+
+        The models are drawn from the run's seed (`seed_everything`) whatever happened to the
+        global RNG before: set-up consumes it differently on one process and on several
+        (Lightning re-seeds each process as it joins), and the initial models must not depend on
+        that. With clients in parallel every process takes rank 0's."""
         h = self.hparams
+        parallel = self._trainer is not None and clients_in_parallel(self.trainer)
         seed = int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed()))
+        self._architecture_modules = {}
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            self._client_models = build_client_models(h.model, h.data_spec, h.feature_dim, num_clients)
+            for client in range(num_clients):
+                architecture = self.client_architecture(client)
+                model = build_group_model(architecture, h.data_spec, h.feature_dim)
+                if store:
+                    if parallel:
+                        _sync_module_states(model)
+                    self.client_model_states[client] = model.state_dict()
+                self._architecture_modules.setdefault(architecture, model)
+            self._num_clients = num_clients
             self.on_client_models_built()
 
+    def _ensure_client_models(self) -> None:
+        if not self._num_clients:
+            if self._expected_clients is None:
+                raise RuntimeError(f"{type(self).__name__}: no client models before setup (or build_client_models)")
+            self.build_client_models(self._expected_clients)
+
     def on_client_models_built(self) -> None:
-        """Hook: e.g. give every client the same initial shared head (LG-FedAvg, FedGH)."""
+        """Hook: server state sized by the number of clients (FedGen's label counts)."""
+
+    def on_client_model_loaded(self, client: int, model: FLModel) -> None:
+        """Hook: what the server gives every client, applied whenever a client's model is loaded
+        from the store (LG-FedAvg's and FedGH's global head)."""
 
     def client_architecture(self, client: int) -> str:
         return client_architecture(self.hparams.model, client)
@@ -133,34 +173,54 @@ class HeteroMethod(FederatedMethod):
             # gradients would not be synchronised across ranks.
             raise FLUserError("model-heterogeneous methods split over processes by client, not by batch: "
                               "set --federation.parallel clients (or --trainer.devices 1)")
-        if not self._client_models:
-            self.build_client_models(dm.num_clients)
-            if clients_in_parallel(self.trainer):  # every process starts from rank 0's client models
-                for model in self._client_models:
-                    _sync_module_states(model)
-        elif len(self._client_models) != dm.num_clients:
+        if self._num_clients and self._num_clients != dm.num_clients:
             raise FLUserError(
-                f"the method holds {len(self._client_models)} client models but the data has "
-                f"{dm.num_clients} clients"
+                f"the method holds {self._num_clients} client models but the data has {dm.num_clients} clients"
             )
+        # Built once the store knows where its files go (configure_client_stores), or when first
+        # needed, or replaced by a checkpoint's.
+        self._expected_clients = dm.num_clients
 
-    def _install(self, client: int) -> FLModel:
-        model = self._client_models[client].to(self.device)
-        self.model = model
+    def load_client_model(self, client: int) -> FLModel:
+        """Client k's model: its weights from the store, loaded into its architecture's module on
+        the device (that module is shared by all clients of the architecture: one at a time)."""
+        self._ensure_client_models()
+        model = self._architecture_modules[self.client_architecture(client)].to(self.device)
+        model.load_state_dict(self.client_model_states[client])
+        self.on_client_model_loaded(client, model)
         return model
 
-    def _uninstall(self) -> None:
-        self.model.to("cpu")
+    def client_model_copy(self, client: int, device: torch.device | str | None = None) -> FLModel:
+        """A new module holding client k's model (not shared with anything)."""
+        self._ensure_client_models()
+        model = copy.deepcopy(self._architecture_modules[self.client_architecture(client)]).to(device or self.device)
+        model.load_state_dict(self.client_model_states[client])
+        self.on_client_model_loaded(client, model)
+        return model
+
+    def _install(self, client: int) -> FLModel:
+        self.model = self.load_client_model(client)
+        self._installed_client = client
+        return self.model
+
+    def _uninstall(self, keep: bool) -> None:
+        """`keep`: the client's model changed (it trained), so its weights go back to the store."""
+        if keep:
+            self.client_model_states[self._installed_client] = self.model.state_dict()
+        for p in self.model.parameters():
+            p.grad = None
         self.model = None
+        self._installed_client = None
 
     @contextlib.contextmanager
-    def client_model(self, client: int):
-        """`self.model` is client's own model (on the device) inside the block."""
+    def client_model(self, client: int, keep: bool = False):
+        """`self.model` is client's own model (on the device) inside the block; with `keep` its
+        weights are written back to the store at the end."""
         self._install(client)
         try:
             yield self.model
         finally:
-            self._uninstall()
+            self._uninstall(keep)
 
     # ---- optimizer ----------------------------------------------------------------------------
     def local_parameters(self) -> Iterable[nn.Parameter]:
@@ -221,7 +281,7 @@ class HeteroMethod(FederatedMethod):
         fields = self.upload()
         stats = self.client_stats()
         self.client_done()
-        self._uninstall()
+        self._uninstall(keep=True)
         self._bind_optimizer()  # back to the anchor: checkpoints hold no client's parameters
         client, n = self.current_client, self.current_num_samples
         self.current_client = None
@@ -249,7 +309,7 @@ class HeteroMethod(FederatedMethod):
         """Each client's own model on its own test split: (total correct / total, mean CE, per-client acc)."""
         dm = self.trainer.datamodule
         correct, total, loss_sum, per_client = 0, 0, 0.0, []
-        for client in range(len(self._client_models)):
+        for client in range(self.num_clients):
             with self.client_model(client) as model:
                 model.eval()
                 c_correct, c_total = 0, 0
@@ -293,7 +353,7 @@ class HeteroMethod(FederatedMethod):
 
     def finetune_start(self, client: int) -> FLModel:
         """The client's own model, on the device (personalised evaluation copies it)."""
-        return copy.deepcopy(self._client_models[client]).to(self.device)
+        return self.client_model_copy(client)
 
     # ---- clients in parallel -------------------------------------------------------------------
     def round_start(self, round_idx: int, clients: list[int]) -> None:
@@ -301,54 +361,42 @@ class HeteroMethod(FederatedMethod):
         self._trained = []
 
     def sync_client_states(self, collective) -> None:
-        """Every process holds every client model (each evaluates all of them after a round):
-        the models this process trained go to the others. After aggregation, so what a server
-        step writes into every client (LG-FedAvg's head) is in place on every process alike."""
+        """Every process's store holds every client's model (each evaluates all of them after a
+        round): the models this process trained go into the others' stores, after aggregation."""
         super().sync_client_states(collective)
         if not collective.distributed:
             return
-        mine = {c: {k: v.detach().cpu() for k, v in self._client_models[c].state_dict().items()}
-                for c in self._trained}
+        mine = {c: self.client_model_states[c] for c in self._trained}
         for rank, part in enumerate(collective.gather(mine)):
             if rank != collective.rank:
                 for client, state in part.items():
-                    self._client_models[client].load_state_dict(state)
+                    self.client_model_states[client] = state
 
     # ---- checkpoints --------------------------------------------------------------------------
     def configure_client_stores(self, directory, cache_size: int) -> None:
         super().configure_client_stores(directory, cache_size)
-        self.client_model_states.configure(None if directory is None else Path(directory) / "models", cache_size)
-
-    def _changed_models(self) -> list[int]:
-        """Clients whose model differs from what the store holds. A model counts as unchanged
-        if no tensor was replaced or modified in place since it was stored, or, when one was
-        (e.g. moved between devices for evaluation), if its bytes are the same."""
-        changed = []
-        for client, model in enumerate(self._client_models):
-            state = model.state_dict()
-            marks = tuple((t.data_ptr(), t._version) for t in state.values())
-            known = self._stored_marks.get(client)
-            if known is not None and known[0] == marks:
-                continue
-            digest = state_digest(state)
-            if known is not None and known[1] == digest:
-                self._stored_marks[client] = (marks, digest)
-                continue
-            self._stored_marks[client] = (marks, digest)
-            changed.append(client)
-        return changed
+        if directory is not None:
+            directory = Path(directory) / "models"
+            if self._trainer is not None and clients_in_parallel(self.trainer) and self.trainer.global_rank:
+                # with clients in parallel every process evicts to its own folder, which rank 0's
+                # pruning of the checkpoint's folder does not touch
+                directory = directory / f"rank{self.trainer.global_rank}"
+                self.client_model_states.rank = self.trainer.global_rank
+        self.client_model_states.configure(directory, cache_size)
+        if not self._num_clients and self._expected_clients is not None:
+            self.build_client_models(self._expected_clients)  # straight into the bounded store
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
         if self._trainer is not None and clients_in_parallel(self.trainer) and self.trainer.global_rank != 0:
-            return  # rank 0 writes the checkpoint and, holding every client model, their files
-        # only the models that changed since the last checkpoint are written (the clients that
-        # trained, or all of them when the server sends every client something)
-        for client in self._changed_models():
-            self.client_model_states[client] = self._client_models[client].state_dict()
-        checkpoint["fl_client_models"] = {"num_clients": len(self._client_models),
+            # rank 0 writes the checkpoint and, holding every client model, their files; the
+            # others prune the files their own evictions wrote (in their own folder)
+            self.client_model_states.checkpoint_state()
+            return
+        # the store writes only the models that changed since the last checkpoint (the clients
+        # that trained) and names all files
+        checkpoint["fl_client_models"] = {"num_clients": self._num_clients,
                                           **self.client_model_states.checkpoint_state()}
-        self.client_model_states.release()  # the models themselves are in memory already
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)
@@ -359,15 +407,30 @@ class HeteroMethod(FederatedMethod):
             saved = {"num_clients": len(saved), "states": dict(enumerate(saved))}
         saved = dict(saved)
         num_clients = saved.pop("num_clients")
-        if not self._client_models:
-            self.build_client_models(num_clients)
-        if num_clients != len(self._client_models):
-            raise FLUserError(
-                f"checkpoint holds {num_clients} client models, the run has {len(self._client_models)}"
-            )
+        expected = self._num_clients or self._expected_clients or num_clients
+        if num_clients != expected:
+            raise FLUserError(f"checkpoint holds {num_clients} client models, the run has {expected}")
+        if not self._num_clients:
+            # the architectures' modules (and the same random draws as a fresh run's models)
+            self.build_client_models(num_clients, store=False)
         self.client_model_states.load_checkpoint_state(saved)
-        for client, model in enumerate(self._client_models):
-            model.load_state_dict(self.client_model_states[client])
-        self.client_model_states.release()
-        self._stored_marks = {}
-        self._changed_models()  # what is loaded is what the store holds
+        missing = [c for c in range(num_clients) if c not in self.client_model_states]
+        if missing:
+            raise FLUserError(f"the checkpoint names no model for client {missing[0]}")
+
+
+class _ClientModelSnapshots(Sequence):
+    """`HeteroMethod.client_models`: client k's model, built from the store when indexed."""
+
+    def __init__(self, method: HeteroMethod):
+        self._method = method
+
+    def __len__(self) -> int:
+        return self._method.num_clients
+
+    def __getitem__(self, client):
+        if isinstance(client, slice):
+            return [self[c] for c in range(*client.indices(len(self)))]
+        if not -len(self) <= client < len(self):
+            raise IndexError(client)
+        return self._method.client_model_copy(client % len(self), "cpu")

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.errors import FLUserError
+from fl_lightning.methods.base import LossContext
 from fl_lightning.methods.hetero.lgfedavg_fedgh import HEAD_PREFIX, LGFedAvg
 from fl_lightning.uploads import ClientUpload, RoundUploads
 
@@ -129,24 +130,25 @@ class FedGen(LGFedAvg):
 
     def on_client_models_built(self) -> None:
         super().on_client_models_built()
-        num_clients, c = len(self.client_models), self.hparams.data_spec.num_classes
+        num_clients, c = self._num_clients, self.hparams.data_spec.num_classes
         self.client_label_counts = torch.zeros(num_clients, c, device=self.client_label_counts.device)
 
     # ---- client -------------------------------------------------------------------------------
     def label_distribution(self) -> torch.Tensor:
         return self.client_label_counts.sum(0)
 
-    def local_loss(self, batch) -> torch.Tensor:
+    def loss(self, model, batch, context: LossContext) -> torch.Tensor:
         x, y = batch
-        loss = F.cross_entropy(self.model(x), y)
-        if bool(self.generator_trained) and self.hparams.gen_weight > 0:
+        loss = F.cross_entropy(model(x), y)
+        # the server's generator regularises federated local training only
+        if not context.finetuning and bool(self.generator_trained) and self.hparams.gen_weight > 0:
             # Drawn from the global RNG, which client_start seeds per (seed, round, client).
             labels = torch.multinomial(self.label_distribution(), len(y), replacement=True)
             noise = torch.rand(len(y), self.hparams.noise_dim, device=y.device)
             self.generator.eval()  # the client uses G; BatchNorm's running statistics, no update
             with torch.no_grad():
                 generated = self.generator(labels, noise)
-            loss = loss + self.hparams.gen_weight * F.cross_entropy(self.model.head(generated), labels)
+            loss = loss + self.hparams.gen_weight * F.cross_entropy(model.head(generated), labels)
         return loss
 
     def upload(self) -> dict:

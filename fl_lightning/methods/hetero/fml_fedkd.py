@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import abstract_base
+from fl_lightning.methods.base import LossContext, abstract_base
 from fl_lightning.methods.hetero.base import HeteroMethod
 from fl_lightning.models.hetero import build_group_model
 from fl_lightning.uploads import RoundUploads
@@ -84,9 +84,11 @@ class FML(MutualLearningMethod):
             raise FLUserError(f"alpha and beta must be in [0, 1], got {alpha} and {beta}")
         self.save_hyperparameters()
 
-    def local_loss(self, batch) -> torch.Tensor:
+    def loss(self, model, batch, context: LossContext) -> torch.Tensor:
         x, y = batch
-        z, zg = self.model(x), self.shared(x)
+        if context.finetuning:  # mutual learning needs the shared model this round trains alongside
+            return F.cross_entropy(model(x), y)
+        z, zg = model(x), self.shared(x)
         a, b = self.hparams.alpha, self.hparams.beta
         local = a * F.cross_entropy(z, y) + (1 - a) * kl_to(z, zg)
         shared = b * F.cross_entropy(zg, y) + (1 - b) * kl_to(zg, z)
@@ -174,10 +176,12 @@ class FedKD(MutualLearningMethod):
     def extra_local_parameters(self):
         return list(self.shared.parameters()) + list(self.W_h.parameters())
 
-    def local_loss(self, batch) -> torch.Tensor:
+    def loss(self, model, batch, context: LossContext) -> torch.Tensor:
         x, y = batch
-        f, fg = self.model.features(x), self.shared.features(x)
-        z, zg = self.model.head(f), self.shared.head(fg)
+        if context.finetuning:  # distillation needs the shared model and the client's W_h
+            return F.cross_entropy(model(x), y)
+        f, fg = model.features(x), self.shared.features(x)
+        z, zg = model.head(f), self.shared.head(fg)
         ce, ce_g = F.cross_entropy(z, y), F.cross_entropy(zg, y)
         task = ce + ce_g
         hidden = F.mse_loss(f, self.W_h(fg)) / task

@@ -1,8 +1,9 @@
 """Heterogeneous FL through a shared head: LG-FedAvg and FedGH.
 
 Every client's body is its own; the head Linear(K, C) is the part all clients share, so the server
-keeps one global head and writes it into every client's model after each round (and before the
-first, so all clients start from the same head). Clients train their whole model on CE.
+keeps one global head, and every client's model holds it whenever it is loaded from the store
+(all clients start from the same head; between rounds every client has the newest one). Clients
+train their whole model on CE.
 
     LG-FedAvg (Liang et al., 2020)  upload: the client's head;  server: sample-weighted average
     FedGH (Yi et al., 2023)         upload: class prototypes;   server: trains the global head with
@@ -32,14 +33,12 @@ class SharedHeadMethod(HeteroMethod):
         super().__init__(**kwargs)
         self.global_head = nn.Linear(self.hparams.feature_dim, self.hparams.data_spec.num_classes)
 
-    def on_client_models_built(self) -> None:
-        self.broadcast_head()
-
     @torch.no_grad()
-    def broadcast_head(self) -> None:
-        state = {k: v.detach().cpu() for k, v in self.global_head.state_dict().items()}
-        for model in self.client_models:
-            model.head.load_state_dict(state)
+    def on_client_model_loaded(self, client: int, model) -> None:
+        """Every client holds the global head (from the start: one shared initial head); it is
+        applied whenever a client's model is loaded, instead of written into every client's file
+        after every round."""
+        model.head.load_state_dict(self.global_head.state_dict())
 
 
 class LGFedAvg(SharedHeadMethod):
@@ -55,7 +54,6 @@ class LGFedAvg(SharedHeadMethod):
     def aggregate(self, uploads: RoundUploads) -> None:
         avg = uploads.weighted_average(lambda u: {k: v for k, v in u.weights.items() if k.startswith(HEAD_PREFIX)})
         self.global_head.load_state_dict({k.removeprefix(HEAD_PREFIX): v for k, v in avg.items()})
-        self.broadcast_head()
 
 
 class FedGH(SharedHeadMethod):
@@ -94,4 +92,3 @@ class FedGH(SharedHeadMethod):
             self.server_seed(),
         )
         self.log("server/loss", loss, on_step=False, on_epoch=True, batch_size=1)
-        self.broadcast_head()

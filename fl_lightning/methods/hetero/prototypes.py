@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import abstract_base
+from fl_lightning.methods.base import LossContext, abstract_base
 from fl_lightning.methods.hetero.base import HeteroMethod
 from fl_lightning.uploads import ClientUpload, RoundUploads
 
@@ -193,11 +193,12 @@ class PrototypeMethod(HeteroMethod):
     def proto_regularizer(self, feats: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def local_loss(self, batch) -> torch.Tensor:
+    def loss(self, model, batch, context: LossContext) -> torch.Tensor:
         x, y = batch
-        feats = self.model.features(x)
-        loss = F.cross_entropy(self.model.head(feats), y)
-        if bool(self.has_proto.any()) and self.proto_weight() > 0:
+        feats = model.features(x)
+        loss = F.cross_entropy(model.head(feats), y)
+        # the server's prototypes regularise federated local training only
+        if not context.finetuning and bool(self.has_proto.any()) and self.proto_weight() > 0:
             loss = loss + self.proto_weight() * self.proto_regularizer(feats, y)
         return loss
 

@@ -103,6 +103,7 @@ class Ditto(SharedModelMethod):
         params = [p for p in self.personal.parameters() if p.grad is not None]
         for p, g in zip(params, self.mean_across_devices([p.grad for p in params]), strict=True):
             p.grad = g
+        self.clip_local_gradients(opt)  # --trainer.gradient_clip_val, as on the global track
         opt.step()
         return loss.detach()
 
