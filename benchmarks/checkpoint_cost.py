@@ -20,10 +20,11 @@ from fl_lightning.cli import main
 REPO = Path(__file__).resolve().parents[1]
 SETTINGS = {
     "demo (FedSOL, MNIST-5k, fedavg_cnn, 50 clients)": [
-        "--config", str(REPO / "configs/fedsol_mnist5k.yaml"), "--data.local_epochs", "1"],
+        "--config", str(REPO / "configs/settings/mnist5k.yaml"),
+        "--config", str(REPO / "configs/methods/fedsol/fedsol.yaml"), "--data.local_epochs", "1"],
     "20 HMG3 clients (FedORGP, MNIST-5k at 3x32x32, 20% per round)": [
-        "--config", str(REPO / "configs/fedorgp/fedorgp_cifar10_pathological.yaml"),
-        "--config", str(REPO / "configs/fedorgp/demo_mnist5k_hmg3.yaml"), "--data.sample_ratio", "0.2",
+        "--config", str(REPO / "configs/settings/fedorgp_demo_mnist5k_hmg3.yaml"),
+        "--config", str(REPO / "configs/methods/fedorgp/fedorgp.yaml"), "--data.sample_ratio", "0.2",
         "--data.local_epochs", "1"],
 }
 

@@ -14,8 +14,8 @@ mkdir -p "$OUT"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 METHODS=${METHODS:-fedorgp fedorgp_wo_or fedproto fedtgp lgfedavg fedgh fml fedkd fedgen}
 for m in $METHODS; do
-  "$PY" -m fl_lightning.cli fit --config "configs/fedorgp/${m}_cifar10_pathological.yaml" \
-    --config configs/fedorgp/demo_mnist5k_hmg3.yaml \
+  "$PY" -m fl_lightning.cli fit --config configs/settings/fedorgp_demo_mnist5k_hmg3.yaml \
+    --config "configs/methods/fedorgp/${m}.yaml" \
     --data.dataset "$DATASET" --trainer.max_epochs "$ROUNDS" --trainer.logger false \
     --trainer.enable_progress_bar false --trainer.default_root_dir "$OUT/$m" > "$OUT/$m.log" 2>&1 || echo "$m failed (see $OUT/$m.log)"
   last=$(grep -E "round [0-9]+/[0-9]+: client" "$OUT/$m.log" | tail -1 || true)

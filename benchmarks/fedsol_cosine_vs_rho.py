@@ -10,7 +10,7 @@ so <g_u, g_p> grows with rho when H is PSD. This script measures that directly: 
 w_k for every rho, with the perturbation of `FedSOL` itself (`sol_perturbation`), and the cosines
 over all tensors and over the head are averaged over clients and batches.
 
-    python benchmarks/fedsol_cosine_vs_rho.py [--ckpt runs/fedsol_mnist5k/checkpoints/last.ckpt]
+    python benchmarks/fedsol_cosine_vs_rho.py [--ckpt runs/mnist5k/fedsol/checkpoints/last.ckpt]
 """
 
 from __future__ import annotations

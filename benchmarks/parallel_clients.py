@@ -1,6 +1,6 @@
 """Seconds per round with a round's clients on 1 or 2 processes (issue: parallel clients).
 
-FedAvg CNN on MNIST-5k (configs/fedavg_mnist5k.yaml: 50 clients, 10 per round, 5 local epochs),
+FedAvg CNN on MNIST-5k (configs/settings/mnist5k.yaml: 50 clients, 10 per round, 5 local epochs),
 on the CPU:
 
     1 process  x 1 thread
@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-BASE = ["--config", str(REPO / "configs/fedavg_mnist5k.yaml"), "--trainer.logger", "false",
+BASE = ["--config", str(REPO / "configs/settings/mnist5k.yaml"), "--trainer.logger", "false",
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
         "--trainer.accelerator", "cpu", "--federation.eval_local_models", "false", "--analysis.divergence", "false"]
 CONFIGS = {

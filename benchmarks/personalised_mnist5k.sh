@@ -17,7 +17,7 @@ for m in $METHODS; do
   extra=()
   # FedRep's local epochs are its head epochs + body epochs (4 + 1 = the setting's 5)
   if [ "$m" = FedRep ]; then extra=(--model.head_epochs 4 --model.body_epochs 1); fi
-  "$PY" -m fl_lightning.cli fit --config configs/fedavg_mnist5k.yaml --model "$m" "${extra[@]}" \
+  "$PY" -m fl_lightning.cli fit --config configs/settings/mnist5k.yaml --model "$m" "${extra[@]}" \
     --trainer.max_epochs "$ROUNDS" --trainer.logger false --trainer.enable_progress_bar false \
     --data.client_test align --personalization.enabled true --personalization.epochs [1,5] \
     --trainer.default_root_dir "$OUT/$m" > "$OUT/$m.log" 2>&1 || echo "$m failed (see $OUT/$m.log)"

@@ -1,6 +1,6 @@
 """Whole-round time of fl-lightning against a minimal hand-written PyTorch loop doing the same math.
 
-Setting: configs/fedavg_mnist5k.yaml (MNIST-5k, 50 clients, Dirichlet 0.1, 20% per round, 5 local
+Setting: configs/settings/mnist5k.yaml (MNIST-5k, 50 clients, Dirichlet 0.1, 20% per round, 5 local
 epochs, batch 50, FedAvg CNN, SGD 0.01/0.9/1e-5) with the global model evaluated on the 1,000 test
 digits every round, local-model evaluation off. Both sides see the same clients and the same
 batches in the same order, so besides time the script prints how far apart the two final global

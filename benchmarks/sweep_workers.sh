@@ -13,7 +13,7 @@ rm -rf "$OUT" && mkdir -p "$OUT"
 import sys, yaml
 doc = yaml.safe_load(open("configs/tables/demo_mnist5k.yaml"))["sweep"]
 doc["name"] = "bench"
-doc["parameters"] = {"model.class_path": {"values": ["fl_lightning.methods.FedAvg", "fl_lightning.methods.FedSOL"]},
+doc["parameters"] = {"config": {"values": ["configs/methods/fedsol/fedavg.yaml", "configs/methods/fedsol/fedsol.yaml"]},
                      "seed_everything": {"values": [0, 1]}}
 doc["command"] = doc["command"][:-1] + [f"--trainer.max_epochs={sys.argv[2]}", "${args}"]
 open(sys.argv[1], "w").write(yaml.safe_dump(doc, sort_keys=False))

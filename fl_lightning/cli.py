@@ -10,6 +10,12 @@
   `<trainer.default_root_dir>/checkpoints/last.ckpt` (fl_lightning/checkpointing.py), so
   `--ckpt_path last` resumes the run configured in the same directory; a checkpoint of another
   experiment, or a damaged file, is refused before anything loads it.
+- Configs compose: `--config configs/settings/<setting>.yaml --config configs/methods/<paper>/<method>.yaml`
+  (configs/README.md). `trainer.default_root_dir` and the W&B logger's `name`, where the config
+  leaves them unset, come from the --config files: `runs/<setting>/<method>` and
+  `<setting>/<method>` (`rundir.run_name_from_configs`). `data.seed: null` (client sampling and
+  local shuffling) follows `seed_everything`, so a seed sweep varies what the papers' reference
+  code varies between runs; the partition stays fixed by `data.partition_seed`.
 - One fit per run directory (fl_lightning/rundir.py): a second fit into a used directory is
   refused unless it resumes (`--ckpt_path last`) or overwrites (`--overwrite true`).
 - SIGTERM (a preempted job) and Ctrl-C abandon the current round and exit with 128 + the signal's
@@ -40,7 +46,7 @@ from fl_lightning.parallel import client_strategy_name
 from fl_lightning.personalization import PersonalizationCallback
 from fl_lightning.progress import RoundProgressBar
 from fl_lightning.results import ResultsCallback
-from fl_lightning.rundir import RunDirectory, is_first_process
+from fl_lightning.rundir import RunDirectory, is_first_process, run_name_from_configs
 
 
 class FLInterrupted(BaseException):
@@ -84,6 +90,16 @@ class FLCLI(LightningCLI):
     def _subcommand_config(self):
         return self.config.get(self.config.subcommand, self.config) if self.config.get("subcommand") else self.config
 
+    def parse_arguments(self, parser, args) -> None:
+        """The parsed config, completed before anything reads it (`--ckpt_path last` looks in the
+        run directory, the checkpoint check compares data.seed): the run's name and directory from
+        its --config files, and data.seed from seed_everything, each only where the user left it
+        unset. (`--print_config` prints the config as given, before this.)"""
+        super().parse_arguments(parser, args)
+        cfg = self._subcommand_config()
+        name_run_from_configs(cfg)
+        follow_seed_everything(cfg)
+
     def _parse_ckpt_path(self) -> None:
         """Lightning's version loads the file and replaces the requested hyperparameters with the
         checkpoint's. Here the file is checked first (one line for a damaged or foreign file), and
@@ -106,6 +122,7 @@ class FLCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         cfg = self._subcommand_config()
+        follow_seed_everything(cfg)  # seed_everything: true has been drawn by now (LightningCLI._set_seed)
         trainer = cfg["trainer"]
         if trainer.get("reload_dataloaders_every_n_epochs") != 1:
             raise FLUserError("trainer.reload_dataloaders_every_n_epochs must be 1: every round samples new clients")
@@ -189,6 +206,35 @@ TRAINER_DEFAULTS = {
     "logger": {"class_path": "fl_lightning.loggers.FLWandbLogger"},
     "log_every_n_steps": 1,
 }
+
+
+def name_run_from_configs(cfg) -> None:
+    """Fill `trainer.default_root_dir` (runs/<name>) and the W&B logger's `name` from the --config
+    files, each only if the config leaves it unset: a setting and a method file compose into a run
+    of their own, while an explicit name or directory (a sweep's, a saved config.yaml's) wins."""
+    name = run_name_from_configs(cfg.get("config"))
+    if name is None:
+        return
+    trainer = cfg["trainer"]
+    if not trainer.get("default_root_dir"):
+        trainer["default_root_dir"] = f"runs/{name}"
+    init = getattr(trainer.get("logger"), "init_args", None)
+    if init is not None and "name" in init and not init.name:
+        init.name = name
+
+
+def follow_seed_everything(cfg) -> None:
+    """`data.seed: null` (client sampling and local shuffling) takes the run's seed_everything, so
+    runs that differ by seed sample different clients, as in FL-bench; the partition stays
+    `data.partition_seed`'s. With seed_everything false (no seeding) it is 0, the data module's
+    default."""
+    data = cfg.get("data")
+    if data is None or data.get("seed") is not None:
+        return
+    seed = cfg.get("seed_everything")
+    if seed is True:  # drawn later by LightningCLI._set_seed; before_instantiate_classes comes back
+        return
+    data["seed"] = 0 if seed is False or seed is None else int(seed)
 
 
 def finish_wandb(exit_code: int) -> None:
@@ -290,6 +336,23 @@ def _interrupted_line(err: FLInterrupted) -> str:
     return f"interrupted by {err}{where}; no round was completed, so there is nothing to resume: start the run again"
 
 
+def build_cli(args: list[str] | None, run: bool = True) -> FLCLI:
+    """The fl-lightning CLI on `args`; with run=False, parsed and instantiated without a subcommand
+    (for inspecting what a config builds)."""
+    return FLCLI(
+        FederatedMethod,
+        FederatedDataModule,
+        trainer_class=FLTrainer,
+        subclass_mode_model=True,
+        trainer_defaults=TRAINER_DEFAULTS,
+        save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,
+        parser_kwargs={"default_env": False, "exit_on_error": False},
+        run=run,
+        args=args,
+    )
+
+
 def main(args: list[str] | None = None) -> None:
     os.environ.setdefault("WANDB_SILENT", "true")
     argv = sys.argv[1:] if args is None else list(args)
@@ -300,17 +363,7 @@ def main(args: list[str] | None = None) -> None:
     previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
     FLCLI.active = None
     try:
-        FLCLI(
-            FederatedMethod,
-            FederatedDataModule,
-            trainer_class=FLTrainer,
-            subclass_mode_model=True,
-            trainer_defaults=TRAINER_DEFAULTS,
-            save_config_kwargs={"overwrite": True},
-            auto_configure_optimizers=False,
-            parser_kwargs={"default_env": False, "exit_on_error": False},
-            args=args,
-        )
+        build_cli(args)
     except FLInterrupted as err:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
         finish_wandb(exit_code=128 + err.signum)

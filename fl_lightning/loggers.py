@@ -1,7 +1,7 @@
 """W&B logging that never blocks on the network: offline unless the user is logged in, and whose
 runs work as dashboards: every per-round metric is plotted against the round, the config is the
-complete resolved CLI config, runs are grouped by config name and tagged by method, dataset and
-partition."""
+complete resolved CLI config, runs are grouped by experiment (`<setting>/<method>`, from the config
+files' names) and tagged by method, dataset and partition."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.loggers import WandbLogger
+
+from fl_lightning.rundir import run_name_from_configs
 
 
 def wandb_logged_in() -> bool:
@@ -75,8 +77,9 @@ class FLWandbLogger(WandbLogger):
 
 
 def describe_wandb_run(loggers, config) -> None:
-    """Hands the resolved CLI config (a jsonargparse Namespace), a group (the config file's name)
-    and tags (method, dataset, partition) to every FLWandbLogger."""
+    """Hands the resolved CLI config (a jsonargparse Namespace), a group (the experiment its config
+    files name, `<setting>/<method>`, so its seeds and variants group together) and tags (method,
+    dataset, partition) to every FLWandbLogger."""
     targets = [lg for lg in loggers if isinstance(lg, FLWandbLogger)]
     if not targets:
         return
@@ -85,7 +88,7 @@ def describe_wandb_run(loggers, config) -> None:
     model = resolved.get("model") or {}
     method = str(model.get("class_path", "")).rpartition(".")[2] if isinstance(model, Mapping) else ""
     data = resolved.get("data") or {}
-    group = Path(str(files[-1])).stem if files else None
+    group = run_name_from_configs(files)
     tags = [t for t in (method, data.get("dataset"), data.get("partition")) if t]
     for logger in targets:
         logger.describe_run({"method": method, **resolved}, group, [str(t) for t in tags])

@@ -197,7 +197,7 @@ def summarise(text: str, args: Sequence[str] = (), option_names: Sequence[str] =
         given = re.search(r'got value "([^"]+)"|but it was not provided', first)
         what = f"unknown subcommand '{given.group(1)}'" if given and given.group(1) else "no subcommand given"
         return (f"{what}; choose one of: {', '.join(choices)} "
-                f"(e.g. fl-lightning fit --config configs/fedsol_mnist5k.yaml)")
+                f"(e.g. fl-lightning fit --config configs/settings/mnist5k.yaml)")
     bad_choice = re.search(r"argument subcommand: invalid choice: '([^']+)' \(choose from (.*)\)", text)
     if bad_choice:
         choices = [c.strip(" '") for c in bad_choice.group(2).split(",")]

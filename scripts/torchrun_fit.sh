@@ -3,11 +3,12 @@
 # torchrun (Lightning reads the ranks from torchrun's environment).
 #
 #   One node, 4 GPUs:
-#     scripts/torchrun_fit.sh 4 --config configs/fedsol_cifar10.yaml
+#     scripts/torchrun_fit.sh 4 --config configs/settings/fedsol_cifar10.yaml --config configs/methods/fedsol/fedsol.yaml
 #   Two nodes, 4 GPUs each: run this on both nodes, with the first node's address:
-#     NNODES=2 MASTER=node01:29500 scripts/torchrun_fit.sh 4 --config configs/fedsol_cifar10.yaml
+#     NNODES=2 MASTER=node01:29500 scripts/torchrun_fit.sh 4 --config configs/settings/fedsol_cifar10.yaml \
+#         --config configs/methods/fedsol/fedsol.yaml
 #   CPU only (gloo), e.g. 2 processes on a laptop:
-#     scripts/torchrun_fit.sh 2 --config configs/fedavg_mnist5k.yaml --trainer.accelerator cpu
+#     scripts/torchrun_fit.sh 2 --config configs/settings/mnist5k.yaml --trainer.accelerator cpu
 #
 # Everything after the process count goes to `fl-lightning fit`. Resume an interrupted run with
 # the same command plus `--ckpt_path last`, on the same or a different number of processes.

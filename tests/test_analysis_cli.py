@@ -11,7 +11,8 @@ from test_cli import REPO, run
 
 from fl_lightning.loggers import offline_records
 
-SMALL = ["--config", str(REPO / "configs/fedsol_mnist5k.yaml"), "--data.dataset", "digits",
+SMALL = ["--config", str(REPO / "configs/settings/mnist5k.yaml"),
+         "--config", str(REPO / "configs/methods/fedsol/fedsol.yaml"), "--data.dataset", "digits",
          "--model.init_args.model", "mlp", "--data.num_clients", "10", "--data.local_epochs", "1",
          "--data.min_size", "5", "--federation.local_eval_samples", "200"]
 ANALYSIS = ["--analysis.every_n_rounds", "2", "--analysis.samples", "300", "--analysis.surface_points", "5",
@@ -50,7 +51,7 @@ def test_fit_writes_analysis_files(fitted):
 def test_wandb_run_is_a_dashboard(fitted):
     recs = records(fitted)
     run_record = next(r.run for r in recs if r.WhichOneof("record_type") == "run")
-    assert run_record.run_group == "fedsol_mnist5k"
+    assert run_record.run_group == "mnist5k/fedsol"
     assert set(run_record.tags) == {"FedSOL", "digits", "dirichlet"}
     config = {item.key: json.loads(item.value_json) for item in run_record.config.update}
     assert config["method"] == "FedSOL"

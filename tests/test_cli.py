@@ -12,7 +12,8 @@ from fl_lightning.cli import main
 from fl_lightning.loggers import read_offline_history
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL = ["--config", str(REPO / "configs/fedsol_mnist5k.yaml"), "--data.dataset", "digits",
+SMALL = ["--config", str(REPO / "configs/settings/mnist5k.yaml"),
+         "--config", str(REPO / "configs/methods/fedsol/fedsol.yaml"), "--data.dataset", "digits",
          "--model.init_args.model", "mlp", "--data.num_clients", "10", "--data.local_epochs", "1",
          "--data.min_size", "5", "--federation.local_eval_samples", "200"]
 

@@ -14,7 +14,8 @@ from fl_lightning.federation import FederatedCallback
 from fl_lightning.personalization import PersonalizationCallback
 
 REPO = Path(__file__).resolve().parents[1]
-BASE = ["--config", str(REPO / "configs/fedsol_mnist5k.yaml"), "--data.dataset", "digits",
+BASE = ["--config", str(REPO / "configs/settings/mnist5k.yaml"),
+        "--config", str(REPO / "configs/methods/fedsol/fedsol.yaml"), "--data.dataset", "digits",
         "--model.init_args.model", "mlp", "--trainer.max_epochs", "1", "--trainer.logger", "false",
         "--data.num_clients", "4"]
 

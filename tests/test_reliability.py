@@ -29,11 +29,14 @@ TINY = ["--data.dataset", "digits", "--data.num_clients", "10", "--data.local_ep
         "--data.min_size", "5", "--data.batch_size", "20", "--federation.local_eval_samples", "100",
         "--trainer.max_epochs", str(ROUNDS), "--trainer.enable_progress_bar", "false"]
 METHODS = {
-    "fedsol": ["--config", str(REPO / "configs/fedsol_mnist5k.yaml"), "--model.init_args.model", "mlp", *TINY],
-    "scaffold": ["--config", str(REPO / "configs/scaffold_cifar10.yaml"), "--model.init_args.model", "mlp",
+    "fedsol": ["--config", str(REPO / "configs/settings/mnist5k.yaml"), "--config",
+               str(REPO / "configs/methods/fedsol/fedsol.yaml"), "--model.init_args.model", "mlp", *TINY],
+    "scaffold": ["--config", str(REPO / "configs/settings/fedsol_cifar10.yaml"), "--config",
+                 str(REPO / "configs/methods/fedsol/scaffold.yaml"), "--model.init_args.model", "mlp",
                  "--data.augment", "false", *TINY],
     # a bounded cache: client models are evicted to files mid-round, where the kill lands
-    "fedproto": ["--config", str(REPO / "configs/fedorgp/fedproto_cifar10_pathological.yaml"),
+    "fedproto": ["--config", str(REPO / "configs/settings/fedorgp_cifar10_pathological.yaml"), "--config",
+                 str(REPO / "configs/methods/fedorgp/fedproto.yaml"),
                  "--model.init_args.model", "mlp,mlp", "--model.init_args.feature_dim", "16",
                  "--data.augment", "false", "--federation.client_cache_size", "2", *TINY],
 }

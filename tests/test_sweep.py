@@ -24,7 +24,7 @@ from fl_lightning.results import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = sorted([*(REPO / "configs" / "sweeps").glob("*.yaml"), *(REPO / "configs" / "tables").glob("*.yaml")])
-TINY = ["--config", str(REPO / "configs/fedavg_mnist5k.yaml"), "--data.dataset=digits",
+TINY = ["--config", str(REPO / "configs/settings/mnist5k.yaml"), "--data.dataset=digits",
         "--model.init_args.model=mlp", "--data.num_clients=4", "--data.sample_ratio=0.5", "--data.local_epochs=1",
         "--data.batch_size=32", "--data.alpha=1.0", "--federation.eval_local_models=false",
         "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false"]
@@ -52,21 +52,23 @@ def run_cli(args: list[str]) -> tuple[int, str, str]:
 
 def test_grid_expands_to_the_product_in_spec_order_with_wandb_formatting(tmp_path):
     path = write_spec(tmp_path / "g.yaml", {
-        "config": {"values": ["configs/fedavg_cifar10.yaml", "configs/fedsol_cifar10.yaml"]},
+        "config": {"values": ["configs/methods/fedsol/fedavg.yaml", "configs/methods/fedsol/fedsol.yaml"]},
         "data.alpha": {"values": [0.05, 0.5]},
         "model.init_args.lr_milestones": {"value": [160, 240]},
         "seed_everything": {"values": [0]},
-    }, command=["${env}", "fl-lightning", "fit", "${args}", "--data.download=false"])
+    }, command=["${env}", "fl-lightning", "fit", "--config", "configs/settings/fedsol_cifar10.yaml", "${args}",
+                      "--data.download=false"])
     spec = sweep.load_spec(path)
     runs = sweep.plan(spec, Path("runs"), validate=False)
     assert [r.name for r in runs] == [
-        "config=fedavg_cifar10,alpha=0.05,lr_milestones=[160, 240],seed=0".replace(" ", ""),
-        "config=fedavg_cifar10,alpha=0.5,lr_milestones=[160, 240],seed=0".replace(" ", ""),
-        "config=fedsol_cifar10,alpha=0.05,lr_milestones=[160, 240],seed=0".replace(" ", ""),
-        "config=fedsol_cifar10,alpha=0.5,lr_milestones=[160, 240],seed=0".replace(" ", ""),
+        "config=fedavg,alpha=0.05,lr_milestones=[160, 240],seed=0".replace(" ", ""),
+        "config=fedavg,alpha=0.5,lr_milestones=[160, 240],seed=0".replace(" ", ""),
+        "config=fedsol,alpha=0.05,lr_milestones=[160, 240],seed=0".replace(" ", ""),
+        "config=fedsol,alpha=0.5,lr_milestones=[160, 240],seed=0".replace(" ", ""),
     ]
     assert runs[1].args == [
-        "fit", "--config=configs/fedavg_cifar10.yaml", "--data.alpha=0.5", "--model.init_args.lr_milestones=[160, 240]",
+        "fit", "--config", "configs/settings/fedsol_cifar10.yaml", "--config=configs/methods/fedsol/fedavg.yaml",
+        "--data.alpha=0.5", "--model.init_args.lr_milestones=[160, 240]",
         "--seed_everything=0", "--data.download=false", f"--trainer.default_root_dir=runs/g/{runs[1].name}",
     ]
 

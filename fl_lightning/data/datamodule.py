@@ -164,8 +164,12 @@ def _reshaped(ds: LabelledDataset, size: int | None, channels: int | None) -> La
 class FederatedDataModule(L.LightningDataModule):
     """Dataset, partition and client sampling of a federated run.
 
-    `seed` draws client sampling and local shuffling; `partition_seed` draws the partition (and
-    the offline sets' test split), so methods can be compared on one partition across run seeds.
+    `seed` draws client sampling and local shuffling; by default (null) it is the run's
+    seed_everything, so runs with different seeds sample and shuffle differently, as in FL-bench
+    (the FedSOL authors' code also shuffles by the run seed, but samples clients by the round
+    alone: an explicit `seed` keeps the sampling fixed across run seeds). `partition_seed` draws
+    the partition (and the offline sets' test split) and stays fixed across run seeds, as both
+    codebases fix the partition: methods and seeds are compared on one partition.
 
     Per-client test sets (personalised evaluation), `client_test`:
       "split": each client's train data split by `client_test_fraction` (the auto choice when it is > 0);
@@ -196,7 +200,8 @@ class FederatedDataModule(L.LightningDataModule):
         client_test_fraction: fraction of each client's data split off as its own test set (0 = none).
         client_test: per-client test sets: auto, split, partition or align (see above).
         partition_seed: seed of the partition (and of the offline sets' test split).
-        seed: seed of client sampling and local shuffling.
+        seed: seed of client sampling and local shuffling; null follows the CLI's seed_everything
+            (constructed directly, null is 0).
         num_workers: DataLoader worker processes (0 = load in the training process).
         resize: resize every image to this size (bilinear), e.g. 32; null keeps the dataset's size.
         to_rgb: repeat a grey channel three times (for 3-channel architectures).
@@ -221,7 +226,7 @@ class FederatedDataModule(L.LightningDataModule):
         client_test_fraction: float = 0.0,
         client_test: Literal["auto", "split", "partition", "align"] = "auto",
         partition_seed: int = 0,
-        seed: int = 0,
+        seed: int | None = None,
         num_workers: int = 0,
         resize: int | None = None,
         to_rgb: bool = False,
@@ -251,6 +256,8 @@ class FederatedDataModule(L.LightningDataModule):
         if client_test in ("partition", "align") and client_test_fraction > 0:
             raise FLUserError(f"client_test '{client_test}' takes test data from the global test set; "
                               f"set client_test_fraction 0 (or use client_test 'split')")
+        if seed is None:  # constructed outside the CLI (which fills in seed_everything)
+            seed = 0
         self.save_hyperparameters()
         self.train_set = self.test_set = None
         self._plain_train_set = None
