@@ -102,6 +102,9 @@ class AnalysisCallback(L.Callback):
                                  ("max_client_models", max_client_models, 1), ("chunk_size", chunk_size, 1)):
             if value < low:
                 raise FLUserError(f"analysis.{name} must be >= {low}, got {value}")
+        if surface == "hessian" and top_k < 2:  # checked here, on every rank, not in rank 0's analysis
+            raise FLUserError(f"analysis.surface hessian needs top_k >= 2 (two eigenvectors), got {top_k}; "
+                              "raise top_k or choose surface random or none")
         if max_hvps < top_k:
             raise FLUserError(f"analysis.max_hvps ({max_hvps}) must be >= analysis.top_k ({top_k})")
         if not surface_radius > 0 or not tol > 0:
@@ -128,10 +131,15 @@ class AnalysisCallback(L.Callback):
             self.log_partition(trainer)
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        if self.divergence and has_global_model(pl_module):
+        if self.divergence and trainer.is_global_zero and has_global_model(pl_module):
             self._round_start = {n: p.detach().clone() for n, p in pl_module.model.named_parameters()}
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
+        # Under DDP every rank holds the same global model: rank 0 alone analyses it and writes the
+        # files. Nothing below is a collective (no sync_dist, no barrier), so the other ranks go on
+        # to the next round and meet rank 0 at the round's first collective.
+        if not trainer.is_global_zero:
+            return
         round_no = trainer.current_epoch + 1  # rounds completed, 1-based
         scalars: dict[str, float] = {}
         files: dict[str, Any] = {}
@@ -142,16 +150,18 @@ class AnalysisCallback(L.Callback):
             scalars.update(self.run_analysis(trainer, pl_module, round_no, files))
         if scalars:
             pl_module.log_dict({f"analysis/{k}": float(v) for k, v in scalars.items()}, on_step=False,
-                               on_epoch=True, batch_size=1)
+                               on_epoch=True, batch_size=1, rank_zero_only=True)
         if due or "classwise_local" in files:
             self.write_files(trainer, round_no, scalars, files)
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if not self.forced or trainer.sanity_checking:
             return
+        self.check_model(pl_module)  # on every rank: a user error must stop all of them
+        if not trainer.is_global_zero:
+            return
         round_no = self.checkpoint_round
         files: dict[str, Any] = {}
-        self.check_model(pl_module)
         scalars = self.run_analysis(trainer, pl_module, round_no, files)
         for logger in trainer.loggers:
             logger.log_metrics({f"analysis/{k}": float(v) for k, v in scalars.items()} | {"round": round_no})
