@@ -43,7 +43,7 @@ def exact_hessian(objective: SubsetObjective) -> torch.Tensor:
     return hessian
 
 
-@pytest.mark.parametrize("mode", ["forward", "double"])
+@pytest.mark.parametrize("mode", ["graph", "forward", "double"])
 def test_hvp_equals_exact_hessian_times_v(mode):
     model, x, y = tiny_problem()
     objective = SubsetObjective(model, x, y, chunk_size=20, hvp_mode=mode)  # 4 chunks, summed

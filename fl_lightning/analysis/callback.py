@@ -42,6 +42,7 @@ from fl_lightning.errors import FLUserError
 from fl_lightning.federation import FederatedCallback
 
 SURFACE_KINDS = (*DIRECTION_KINDS, "none")
+HVP_CHOICES = ("graph", "forward", "double")
 
 
 
@@ -82,14 +83,20 @@ class AnalysisCallback(L.Callback):
         max_client_models: model-heterogeneous methods (no global model): analyse the models of
             clients 0 .. n-1.
         chunk_size: samples per forward pass in the analyses (memory bound).
+        hvp: how Hessian-vector products are computed (same numbers, different cost): "graph"
+            keeps the subset's first-order gradient graph and back-propagates through it per
+            product (fastest; memory of the whole subset's double-backward graph), "forward"
+            (torch.func forward-over-reverse) and "double" (double backward) recompute it per
+            product, one chunk at a time (memory of one chunk).
     """
 
-    def __init__(self, every_n_rounds: int = 0, samples: int = 1000, seed: int = 0, top_k: int = 5,
+    def __init__(self, every_n_rounds: int = 0, samples: int = 250, seed: int = 0, top_k: int = 5,
                  max_hvps: int = 40, tol: float = 1e-3, trace_probes: int = 10, layerwise: bool = True,
                  layer_hvps: int = 15, surface: Literal["hessian", "random", "none"] = "hessian",
-                 surface_points: int = 11, surface_radius: float = 1.0, slices: bool = False,
+                 surface_points: int = 9, surface_radius: float = 1.0, slices: bool = False,
                  divergence: bool = True, test_samples: int | None = None, heatmap_every_n_rounds: int = 5,
-                 partition: bool = True, max_client_models: int = 2, chunk_size: int = 500):
+                 partition: bool = True, max_client_models: int = 2, chunk_size: int = 500,
+                 hvp: Literal["graph", "forward", "double"] = "graph"):
         super().__init__()
         if surface not in SURFACE_KINDS:
             raise FLUserError(f"analysis.surface: unknown direction kind '{surface}'; choose one of: "
@@ -102,6 +109,8 @@ class AnalysisCallback(L.Callback):
                                  ("max_client_models", max_client_models, 1), ("chunk_size", chunk_size, 1)):
             if value < low:
                 raise FLUserError(f"analysis.{name} must be >= {low}, got {value}")
+        if hvp not in HVP_CHOICES:
+            raise FLUserError(f"analysis.hvp: unknown mode '{hvp}'; choose one of: {', '.join(HVP_CHOICES)}")
         if surface == "hessian" and top_k < 2:  # checked here, on every rank, not in rank 0's analysis
             raise FLUserError(f"analysis.surface hessian needs top_k >= 2 (two eigenvectors), got {top_k}; "
                               "raise top_k or choose surface random or none")
@@ -115,7 +124,7 @@ class AnalysisCallback(L.Callback):
         self.surface, self.surface_points, self.surface_radius = surface, surface_points, surface_radius
         self.slices, self.divergence, self.test_samples = slices, divergence, test_samples
         self.heatmap_every_n_rounds, self.partition = heatmap_every_n_rounds, partition
-        self.max_client_models, self.chunk_size = max_client_models, chunk_size
+        self.max_client_models, self.chunk_size, self.hvp = max_client_models, chunk_size, hvp
         self.forced = False  # `fl-lightning analyze` sets this: analyse the loaded checkpoint once
         self.checkpoint_round = 0  # and this: the rounds the checkpointed model has been through
         self._train_subset: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -268,11 +277,12 @@ class AnalysisCallback(L.Callback):
             # a heterogeneous client's model waits on the CPU between its rounds
             device = next(model.parameters()).device
             x, y = self.train_subset(trainer, device)
-            objective = SubsetObjective(model, x, y, chunk_size=self.chunk_size)
+            objective = SubsetObjective(model, x, y, chunk_size=self.chunk_size, hvp_mode=self.hvp)
             loss, acc = objective.loss_and_accuracy()
             scalars[f"{prefix}train_subset_loss"], scalars[f"{prefix}train_subset_acc"] = loss, acc
             spectrum = hessian_spectrum(objective, self.top_k, self.max_hvps, self.tol, self.trace_probes,
                                         self.layerwise, self.layer_hvps, self.seed)
+            objective.release_graph()  # the surface needs forward passes only
             scalars.update({f"{prefix}{k}": v for k, v in spectrum.scalars().items()})
             files[f"{prefix}spectrum"] = {**spectrum.scalars(), "top": spectrum.top, "subset_loss": loss,
                                           "subset_acc": acc, "samples": len(y)}
