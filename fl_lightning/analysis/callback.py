@@ -171,7 +171,8 @@ class AnalysisCallback(L.Callback):
             return
         round_no = self.checkpoint_round
         files: dict[str, Any] = {}
-        scalars = self.run_analysis(trainer, pl_module, round_no, files)
+        with torch.inference_mode(False):  # validation runs in inference mode; the analysis needs autograd
+            scalars = self.run_analysis(trainer, pl_module, round_no, files)
         for logger in trainer.loggers:
             logger.log_metrics({f"analysis/{k}": float(v) for k, v in scalars.items()} | {"round": round_no})
         self.write_files(trainer, round_no, scalars, files)

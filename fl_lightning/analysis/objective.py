@@ -29,6 +29,18 @@ def cross_entropy_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
+def autograd_enabled() -> Iterator[None]:
+    """Gradients on, also inside Lightning's validation, which runs under torch.inference_mode."""
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
+
+
+def _outside_inference(t: torch.Tensor) -> torch.Tensor:
+    """A tensor made under inference mode cannot be saved for backward: a normal copy of it."""
+    return t.clone() if t.is_inference() else t
+
+
+@contextlib.contextmanager
 def eval_mode(module: nn.Module) -> Iterator[nn.Module]:
     """Eval mode for the duration, then every submodule's own train/eval flag restored."""
     flags = [(m, m.training) for m in module.modules()]
@@ -95,7 +107,10 @@ class SubsetObjective:
         unknown = [n for n in chosen if n not in named]
         if unknown:
             raise ValueError(f"unknown parameter names: {unknown}")
-        self.params: Params = {n: named[n].detach().clone() for n in chosen}
+        with torch.inference_mode(False):  # `analyze` runs in Lightning's validation (inference mode):
+            # tensors made there cannot enter autograd, so the weights and the subset are copied out
+            self.params: Params = {n: named[n].detach().clone() for n in chosen}
+            x, y = (t.clone() if t.is_inference() else t for t in (x, y))
         self.constants: Params = {n: p.detach() for n, p in named.items() if n not in self.params}
         self.constants.update({n: b.detach() for n, b in module.named_buffers()})
         self.chunks = [(x[i : i + chunk_size], y[i : i + chunk_size]) for i in range(0, len(x), chunk_size)]
@@ -178,11 +193,12 @@ class SubsetObjective:
     def _hvp_double_backward(self, v: Mapping[str, torch.Tensor]) -> Params:
         out = {n: torch.zeros_like(t) for n, t in self.params.items()}
         for x, y in self.chunks:
-            with torch.enable_grad():
+            with autograd_enabled():
                 leaves = {n: t.detach().requires_grad_(True) for n, t in self.params.items()}
                 grads = torch.autograd.grad(self._chunk_loss(leaves, x, y), list(leaves.values()),
                                             create_graph=True, allow_unused=True)
-                dot = sum((g * v[n].to(g.dtype)).sum() for n, g in zip(leaves, grads, strict=True) if g is not None)
+                dot = sum((g * _outside_inference(v[n]).to(g.dtype)).sum()
+                          for n, g in zip(leaves, grads, strict=True) if g is not None)
                 if not isinstance(dot, torch.Tensor) or not dot.requires_grad:
                     continue  # L is linear in these parameters on this chunk: H v = 0
                 hv = torch.autograd.grad(dot, list(leaves.values()), allow_unused=True)
@@ -197,7 +213,7 @@ class SubsetObjective:
         if owner._graph is None:
             leaves = {n: t.detach().requires_grad_(True) for n, t in owner.params.items()}
             total: list[torch.Tensor | None] = [None] * len(leaves)
-            with torch.enable_grad():
+            with autograd_enabled():
                 for x, y in owner.chunks:
                     grads = torch.autograd.grad(owner._chunk_loss(leaves, x, y), list(leaves.values()),
                                                 create_graph=True, allow_unused=True)
@@ -212,8 +228,8 @@ class SubsetObjective:
     def _hvp_through_gradient_graph(self, v: Mapping[str, torch.Tensor]) -> Params:
         graph = self.gradient_graph()
         names = list(self.params)
-        with torch.enable_grad():
-            terms = [(graph.grad[n] * v[n].to(graph.grad[n].dtype)).sum() for n in names
+        with autograd_enabled():
+            terms = [(graph.grad[n] * _outside_inference(v[n]).to(graph.grad[n].dtype)).sum() for n in names
                      if graph.grad[n] is not None and graph.grad[n].requires_grad]
             if not terms:  # L is at most linear in these parameters: H v = 0
                 return {n: torch.zeros_like(self.params[n]) for n in names}
