@@ -43,7 +43,7 @@ def exact_hessian(objective: SubsetObjective) -> torch.Tensor:
     return hessian
 
 
-@pytest.mark.parametrize("mode", ["forward", "double"])
+@pytest.mark.parametrize("mode", ["graph", "forward", "double"])
 def test_hvp_equals_exact_hessian_times_v(mode):
     model, x, y = tiny_problem()
     objective = SubsetObjective(model, x, y, chunk_size=20, hvp_mode=mode)  # 4 chunks, summed
@@ -52,6 +52,9 @@ def test_hvp_equals_exact_hessian_times_v(mode):
     hv = objective.hvp_flat(v)
     torch.testing.assert_close(hv.double(), hessian @ v.double(), atol=1e-6, rtol=1e-4)
     assert objective.hvp_mode == mode and objective.num_hvps == 1
+    with torch.inference_mode():  # `fl-lightning analyze` runs inside Lightning's validation
+        inside = SubsetObjective(model, x, y, chunk_size=20, hvp_mode=mode).hvp_flat(v.clone())
+    torch.testing.assert_close(inside.double(), hessian @ v.double(), atol=1e-6, rtol=1e-4)
 
 
 def test_lanczos_top5_and_minimum_equal_eigvalsh():

@@ -97,6 +97,8 @@ def test_analyze_a_checkpoint_gives_the_same_numbers(fitted, tmp_path):
 
 @pytest.mark.parametrize("extra, message", [
     (["fit", "--analysis.surface", "sideways"], "analysis.surface"),
+    (["fit", "--analysis.hvp", "sideways"], "analysis.hvp"),
+    (["fit", "--analysis.top_k", "1"], "analysis.surface hessian needs top_k >= 2"),
     (["fit", "--analysis.every_n_rounds", "1", "--analysis.top_k", "100000", "--analysis.max_hvps", "100000"],
      "analysis.top_k = 100000 but the model has only"),
     (["analyze", "--model.init_args.model", "fedavg_cnn"], "the checkpoint is of a different experiment"),

@@ -42,6 +42,7 @@ from fl_lightning.errors import FLUserError
 from fl_lightning.federation import FederatedCallback
 
 SURFACE_KINDS = (*DIRECTION_KINDS, "none")
+HVP_CHOICES = ("graph", "forward", "double")
 
 
 
@@ -82,14 +83,20 @@ class AnalysisCallback(L.Callback):
         max_client_models: model-heterogeneous methods (no global model): analyse the models of
             clients 0 .. n-1.
         chunk_size: samples per forward pass in the analyses (memory bound).
+        hvp: how Hessian-vector products are computed (same numbers, different cost): "graph"
+            keeps the subset's first-order gradient graph and back-propagates through it per
+            product (fastest; memory of the whole subset's double-backward graph), "forward"
+            (torch.func forward-over-reverse) and "double" (double backward) recompute it per
+            product, one chunk at a time (memory of one chunk).
     """
 
-    def __init__(self, every_n_rounds: int = 0, samples: int = 1000, seed: int = 0, top_k: int = 5,
+    def __init__(self, every_n_rounds: int = 0, samples: int = 250, seed: int = 0, top_k: int = 5,
                  max_hvps: int = 40, tol: float = 1e-3, trace_probes: int = 10, layerwise: bool = True,
                  layer_hvps: int = 15, surface: Literal["hessian", "random", "none"] = "hessian",
-                 surface_points: int = 11, surface_radius: float = 1.0, slices: bool = False,
+                 surface_points: int = 9, surface_radius: float = 1.0, slices: bool = False,
                  divergence: bool = True, test_samples: int | None = None, heatmap_every_n_rounds: int = 5,
-                 partition: bool = True, max_client_models: int = 2, chunk_size: int = 500):
+                 partition: bool = True, max_client_models: int = 2, chunk_size: int = 500,
+                 hvp: Literal["graph", "forward", "double"] = "graph"):
         super().__init__()
         if surface not in SURFACE_KINDS:
             raise FLUserError(f"analysis.surface: unknown direction kind '{surface}'; choose one of: "
@@ -102,6 +109,11 @@ class AnalysisCallback(L.Callback):
                                  ("max_client_models", max_client_models, 1), ("chunk_size", chunk_size, 1)):
             if value < low:
                 raise FLUserError(f"analysis.{name} must be >= {low}, got {value}")
+        if hvp not in HVP_CHOICES:
+            raise FLUserError(f"analysis.hvp: unknown mode '{hvp}'; choose one of: {', '.join(HVP_CHOICES)}")
+        if surface == "hessian" and top_k < 2:  # checked here, on every rank, not in rank 0's analysis
+            raise FLUserError(f"analysis.surface hessian needs top_k >= 2 (two eigenvectors), got {top_k}; "
+                              "raise top_k or choose surface random or none")
         if max_hvps < top_k:
             raise FLUserError(f"analysis.max_hvps ({max_hvps}) must be >= analysis.top_k ({top_k})")
         if not surface_radius > 0 or not tol > 0:
@@ -112,7 +124,7 @@ class AnalysisCallback(L.Callback):
         self.surface, self.surface_points, self.surface_radius = surface, surface_points, surface_radius
         self.slices, self.divergence, self.test_samples = slices, divergence, test_samples
         self.heatmap_every_n_rounds, self.partition = heatmap_every_n_rounds, partition
-        self.max_client_models, self.chunk_size = max_client_models, chunk_size
+        self.max_client_models, self.chunk_size, self.hvp = max_client_models, chunk_size, hvp
         self.forced = False  # `fl-lightning analyze` sets this: analyse the loaded checkpoint once
         self.checkpoint_round = 0  # and this: the rounds the checkpointed model has been through
         self._train_subset: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -131,10 +143,15 @@ class AnalysisCallback(L.Callback):
             self.log_partition(trainer)
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        if self.divergence and has_global_model(pl_module):
+        if self.divergence and trainer.is_global_zero and has_global_model(pl_module):
             self._round_start = {n: p.detach().clone() for n, p in pl_module.model.named_parameters()}
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
+        # Under DDP every rank holds the same global model: rank 0 alone analyses it and writes the
+        # files. Nothing below is a collective (no sync_dist, no barrier), so the other ranks go on
+        # to the next round and meet rank 0 at the round's first collective.
+        if not trainer.is_global_zero:
+            return
         round_no = trainer.current_epoch + 1  # rounds completed, 1-based
         scalars: dict[str, float] = {}
         files: dict[str, Any] = {}
@@ -145,17 +162,20 @@ class AnalysisCallback(L.Callback):
             scalars.update(self.run_analysis(trainer, pl_module, round_no, files))
         if scalars:
             pl_module.log_dict({f"analysis/{k}": float(v) for k, v in scalars.items()}, on_step=False,
-                               on_epoch=True, batch_size=1)
+                               on_epoch=True, batch_size=1, rank_zero_only=True)
         if due or "classwise_local" in files:
             self.write_files(trainer, round_no, scalars, files)
 
     def on_validation_end(self, trainer, pl_module) -> None:
         if not self.forced or trainer.sanity_checking:
             return
+        self.check_model(pl_module)  # on every rank: a user error must stop all of them
+        if not trainer.is_global_zero:
+            return
         round_no = self.checkpoint_round
         files: dict[str, Any] = {}
-        self.check_model(pl_module)
-        scalars = self.run_analysis(trainer, pl_module, round_no, files)
+        with torch.inference_mode(False):  # validation runs in inference mode; the analysis needs autograd
+            scalars = self.run_analysis(trainer, pl_module, round_no, files)
         for logger in trainer.loggers:
             logger.log_metrics({f"analysis/{k}": float(v) for k, v in scalars.items()} | {"round": round_no})
         self.write_files(trainer, round_no, scalars, files)
@@ -261,11 +281,12 @@ class AnalysisCallback(L.Callback):
             # a heterogeneous client's model waits on the CPU between its rounds
             device = next(model.parameters()).device
             x, y = self.train_subset(trainer, device)
-            objective = SubsetObjective(model, x, y, chunk_size=self.chunk_size)
+            objective = SubsetObjective(model, x, y, chunk_size=self.chunk_size, hvp_mode=self.hvp)
             loss, acc = objective.loss_and_accuracy()
             scalars[f"{prefix}train_subset_loss"], scalars[f"{prefix}train_subset_acc"] = loss, acc
             spectrum = hessian_spectrum(objective, self.top_k, self.max_hvps, self.tol, self.trace_probes,
                                         self.layerwise, self.layer_hvps, self.seed)
+            objective.release_graph()  # the surface needs forward passes only
             scalars.update({f"{prefix}{k}": v for k, v in spectrum.scalars().items()})
             files[f"{prefix}spectrum"] = {**spectrum.scalars(), "top": spectrum.top, "subset_loss": loss,
                                           "subset_acc": acc, "samples": len(y)}

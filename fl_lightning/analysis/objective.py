@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -25,6 +26,18 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def cross_entropy_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float(), y, reduction="sum")
+
+
+@contextlib.contextmanager
+def autograd_enabled() -> Iterator[None]:
+    """Gradients on, also inside Lightning's validation, which runs under torch.inference_mode."""
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
+
+
+def _outside_inference(t: torch.Tensor) -> torch.Tensor:
+    """A tensor made under inference mode cannot be saved for backward: a normal copy of it."""
+    return t.clone() if t.is_inference() else t
 
 
 @contextlib.contextmanager
@@ -51,6 +64,15 @@ def unflatten(flat: torch.Tensor, like: Mapping[str, torch.Tensor]) -> Params:
     return out
 
 
+HVP_MODES = ("graph", "auto", "forward", "double")
+
+
+@dataclass
+class _GradientGraph:
+    leaves: Params  # the weights as leaves of the graph
+    grad: dict[str, torch.Tensor | None]  # dL/dw, built with create_graph=True (None: w unused)
+
+
 class SubsetObjective:
     """L(w) over a fixed subset (x, y), differentiable in the named parameters `names`
     (default: every parameter that requires grad); the other parameters and all buffers are
@@ -61,14 +83,22 @@ class SubsetObjective:
         x, y: the subset (already on the module's device).
         names: the parameters the function depends on (e.g. one layer's for a layer-wise spectrum).
         loss_fn: loss summed over a chunk (default cross-entropy); the objective divides by N.
-        hvp_mode: "forward" = forward-over-reverse with torch.func (jvp of grad), "double" =
-            double backward, "auto" = forward, falling back to double backward for modules with
-            an op that has no forward-mode derivative.
+        hvp_mode: how H v is computed (the same numbers up to float rounding, at different costs):
+            "graph" (default): the first-order gradient of the whole subset is built once with
+            `create_graph=True` and kept; every product is then one backward pass through it
+            (v . grad L)' = H v. The forward pass and first backward are not repeated, which
+            makes a product about 1.5x cheaper than recomputing it (benchmarks/analysis_cost.py),
+            at the price of holding the subset's double-backward graph in memory (a few times
+            the activations of one training batch per 100 samples; use the others if it does
+            not fit). "forward": forward-over-reverse with torch.func (jvp of grad), recomputed
+            per product and chunk (memory of one chunk). "double": double backward, recomputed
+            per product and chunk. "auto": forward, falling back to double backward for modules
+            with an op that has no forward-mode derivative.
     """
 
     def __init__(self, module: nn.Module, x: torch.Tensor, y: torch.Tensor, names: list[str] | None = None,
                  loss_fn: LossFn = cross_entropy_sum, chunk_size: int = 500,
-                 hvp_mode: Literal["auto", "forward", "double"] = "auto"):
+                 hvp_mode: Literal["graph", "auto", "forward", "double"] = "graph"):
         if len(x) == 0:
             raise ValueError("the analysis subset is empty")
         self.module, self.loss_fn = module, loss_fn
@@ -77,13 +107,20 @@ class SubsetObjective:
         unknown = [n for n in chosen if n not in named]
         if unknown:
             raise ValueError(f"unknown parameter names: {unknown}")
-        self.params: Params = {n: named[n].detach().clone() for n in chosen}
+        with torch.inference_mode(False):  # `analyze` runs in Lightning's validation (inference mode):
+            # tensors made there cannot enter autograd, so the weights and the subset are copied out
+            self.params: Params = {n: named[n].detach().clone() for n in chosen}
+            x, y = (t.clone() if t.is_inference() else t for t in (x, y))
         self.constants: Params = {n: p.detach() for n, p in named.items() if n not in self.params}
         self.constants.update({n: b.detach() for n, b in module.named_buffers()})
         self.chunks = [(x[i : i + chunk_size], y[i : i + chunk_size]) for i in range(0, len(x), chunk_size)]
         self.num_samples = len(x)
+        if hvp_mode not in HVP_MODES:
+            raise ValueError(f"hvp_mode must be one of {HVP_MODES}, got {hvp_mode!r}")
         self.hvp_mode = hvp_mode
         self.num_hvps = 0
+        self._graph: _GradientGraph | None = None  # "graph" mode, built at the first product
+        self._graph_owner: SubsetObjective = self  # restricted() blocks share their parent's graph
 
     def restricted(self, names: list[str]) -> SubsetObjective:
         """The same function of `names` only, the other parameters held at their current values
@@ -92,6 +129,8 @@ class SubsetObjective:
         block.params = {n: self.params[n] for n in names}
         block.constants = {**self.constants, **{n: t for n, t in self.params.items() if n not in block.params}}
         block.num_hvps = 0
+        # H_block v = the block of H (v with zeros elsewhere): the parent's gradient graph serves
+        block._graph_owner = self._graph_owner
         return block
 
     @property
@@ -130,6 +169,8 @@ class SubsetObjective:
     def hvp(self, v: Mapping[str, torch.Tensor]) -> Params:
         """H v with H the Hessian of L at the objective's weights (w.r.t. `names`)."""
         self.num_hvps += 1
+        if self.hvp_mode == "graph":
+            return self._hvp_through_gradient_graph(v)
         if self.hvp_mode in ("auto", "forward"):
             try:
                 return self._hvp_forward_over_reverse(v)
@@ -152,11 +193,12 @@ class SubsetObjective:
     def _hvp_double_backward(self, v: Mapping[str, torch.Tensor]) -> Params:
         out = {n: torch.zeros_like(t) for n, t in self.params.items()}
         for x, y in self.chunks:
-            with torch.enable_grad():
+            with autograd_enabled():
                 leaves = {n: t.detach().requires_grad_(True) for n, t in self.params.items()}
                 grads = torch.autograd.grad(self._chunk_loss(leaves, x, y), list(leaves.values()),
                                             create_graph=True, allow_unused=True)
-                dot = sum((g * v[n].to(g.dtype)).sum() for n, g in zip(leaves, grads, strict=True) if g is not None)
+                dot = sum((g * _outside_inference(v[n]).to(g.dtype)).sum()
+                          for n, g in zip(leaves, grads, strict=True) if g is not None)
                 if not isinstance(dot, torch.Tensor) or not dot.requires_grad:
                     continue  # L is linear in these parameters on this chunk: H v = 0
                 hv = torch.autograd.grad(dot, list(leaves.values()), allow_unused=True)
@@ -164,6 +206,37 @@ class SubsetObjective:
                 if h is not None:
                     out[n] += h.detach()
         return out
+
+    def gradient_graph(self) -> _GradientGraph:
+        """The first-order gradient of L at the weights, differentiable (built once, kept)."""
+        owner = self._graph_owner
+        if owner._graph is None:
+            leaves = {n: t.detach().requires_grad_(True) for n, t in owner.params.items()}
+            total: list[torch.Tensor | None] = [None] * len(leaves)
+            with autograd_enabled():
+                for x, y in owner.chunks:
+                    grads = torch.autograd.grad(owner._chunk_loss(leaves, x, y), list(leaves.values()),
+                                                create_graph=True, allow_unused=True)
+                    total = [g if t is None else (t if g is None else t + g) for t, g in zip(total, grads, strict=True)]
+            owner._graph = _GradientGraph(leaves, dict(zip(leaves, total, strict=True)))
+        return owner._graph
+
+    def release_graph(self) -> None:
+        """Frees the kept gradient graph (the next product in "graph" mode builds it again)."""
+        self._graph_owner._graph = None
+
+    def _hvp_through_gradient_graph(self, v: Mapping[str, torch.Tensor]) -> Params:
+        graph = self.gradient_graph()
+        names = list(self.params)
+        with autograd_enabled():
+            terms = [(graph.grad[n] * _outside_inference(v[n]).to(graph.grad[n].dtype)).sum() for n in names
+                     if graph.grad[n] is not None and graph.grad[n].requires_grad]
+            if not terms:  # L is at most linear in these parameters: H v = 0
+                return {n: torch.zeros_like(self.params[n]) for n in names}
+            hv = torch.autograd.grad(sum(terms), [graph.leaves[n] for n in names],
+                                     retain_graph=True, allow_unused=True)
+        return {n: torch.zeros_like(self.params[n]) if h is None else h.detach()
+                for n, h in zip(names, hv, strict=True)}
 
     def hvp_flat(self, v: torch.Tensor) -> torch.Tensor:
         return flatten(self.hvp(unflatten(v, self.params)))
