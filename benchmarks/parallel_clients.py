@@ -31,7 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 BASE = ["--config", str(REPO / "configs/settings/mnist5k.yaml"), "--trainer.logger", "false",
         "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false",
-        "--trainer.accelerator", "cpu", "--federation.eval_local_models", "false", "--analysis.divergence", "false"]
+        "--trainer.accelerator", "cpu", "--federation.eval_local_models", "false", "--analysis.divergence", "false",
+        "--analysis.partition", "false"]
 CONFIGS = {
     "1 proc x 1 thread": (1, 1, []),
     "1 proc x 2 threads": (1, 2, []),

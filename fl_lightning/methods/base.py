@@ -52,7 +52,7 @@ from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
 from fl_lightning.fedconst import CONSTRAINT_MODES, ChannelConstraint, constrained_names
 from fl_lightning.models import FLModel, build_model
-from fl_lightning.parallel import clients_in_parallel
+from fl_lightning.parallel import ClientParallelStrategy, clients_in_parallel
 from fl_lightning.state import to_cpu
 from fl_lightning.uploads import ClientUpload, RoundUploads
 
@@ -185,11 +185,13 @@ class FederatedMethod(L.LightningModule):
                                getattr(self.trainer, "local_gradient_clip_algorithm", "norm"))
 
     def _steps_need_no_lightning_wrappers(self) -> bool:
-        """True on one device with 32-bit precision when neither a callback nor the module
-        overrides a per-step optimization hook: `manual_backward` and `LightningOptimizer.step`
-        then add nothing but their cost (a third of a small model's step)."""
+        """True on one device per process (one device, or clients in parallel: no DDP wrapper)
+        with 32-bit precision when neither a callback nor the module overrides a per-step
+        optimization hook: `manual_backward` and `LightningOptimizer.step` then add nothing but
+        their cost (a third of a small model's step)."""
         trainer = self.trainer
-        if type(trainer.strategy) is not SingleDeviceStrategy or type(trainer.precision_plugin) is not Precision:
+        one_device = type(trainer.strategy) is SingleDeviceStrategy or type(trainer.strategy) is ClientParallelStrategy
+        if not one_device or type(trainer.precision_plugin) is not Precision:
             return False
         hooks = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
         listeners = [(type(cb), L.Callback) for cb in trainer.callbacks] + [(type(self), FederatedMethod)]
