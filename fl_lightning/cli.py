@@ -37,12 +37,12 @@ from fl_lightning import report, sweep
 from fl_lightning.analysis.callback import AnalysisCallback
 from fl_lightning.analysis.command import FLTrainer
 from fl_lightning.checkpointing import LAST, AtomicCheckpointIO, RoundCheckpoint, check_compatible, load_checkpoint_file
-from fl_lightning.data.datamodule import FederatedDataModule
+from fl_lightning.data.datamodule import FederatedDataModule, clients_per_round
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import FederatedCallback, FLDivergedError
 from fl_lightning.loggers import describe_wandb_run
 from fl_lightning.methods import FederatedMethod
-from fl_lightning.parallel import client_strategy_name
+from fl_lightning.parallel import check_process_count, client_strategy_name
 from fl_lightning.personalization import PersonalizationCallback
 from fl_lightning.progress import RoundProgressBar
 from fl_lightning.results import ResultsCallback
@@ -164,11 +164,7 @@ class FLCLI(LightningCLI):
             devices = int(devices)
         if not isinstance(devices, int) or devices < 1:
             return  # "auto", a list of ids: the callback checks once the processes exist
-        per_round = max(int(data["num_clients"] * data["sample_ratio"]), 1)
-        if devices * nodes > per_round:
-            raise FLUserError(f"--federation.parallel clients: {devices * nodes} processes but only {per_round} "
-                              f"clients per round; use at most {per_round} processes (--trainer.devices x "
-                              f"--trainer.num_nodes) or sample more clients (--data.sample_ratio)")
+        check_process_count(devices * nodes, clients_per_round(data["num_clients"], data["sample_ratio"]))
 
     def before_fit(self) -> None:
         # Load and partition the data before the run starts, so a missing file or an impossible

@@ -20,8 +20,9 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from fl_lightning.data.datamodule import clients_per_round
 from fl_lightning.errors import FLUserError
-from fl_lightning.parallel import ClientParallelStrategy, Collective, clients_in_parallel
+from fl_lightning.parallel import ClientParallelStrategy, Collective, check_process_count, clients_in_parallel
 from fl_lightning.uploads import ClientUpload, RoundUploads, all_finite
 
 
@@ -123,11 +124,7 @@ class FederatedCallback(L.Callback):
             raise FLUserError(f"{type(pl_module).__name__} cannot train clients in parallel processes yet; "
                               f"run it on one process (--trainer.devices 1) or set --federation.parallel batch")
         dm = trainer.datamodule
-        per_round = max(int(dm.hparams.num_clients * dm.hparams.sample_ratio), 1)
-        if per_round < world:
-            raise FLUserError(f"--federation.parallel clients: {world} processes but only {per_round} clients per "
-                              f"round; use at most {per_round} processes (--trainer.devices x --trainer.num_nodes) "
-                              f"or sample more clients (--data.sample_ratio)")
+        check_process_count(world, clients_per_round(dm.hparams.num_clients, dm.hparams.sample_ratio))
 
     # ---- the round ----------------------------------------------------------------------------
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module) -> None:

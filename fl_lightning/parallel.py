@@ -66,6 +66,16 @@ def client_strategy_name(strategy: str) -> str | None:
     return f"{strategy}_clients" if strategy in DDP_START_METHODS else None
 
 
+def check_process_count(processes: int, clients_per_round: int) -> None:
+    """Every process needs at least one client per round."""
+    from fl_lightning.errors import FLUserError
+
+    if processes > clients_per_round:
+        raise FLUserError(f"--federation.parallel clients: {processes} processes but only {clients_per_round} "
+                          f"clients per round; use at most {clients_per_round} processes (--trainer.devices x "
+                          f"--trainer.num_nodes) or sample more clients (--data.sample_ratio)")
+
+
 def clients_in_parallel(trainer: Any) -> bool:
     """True when the round's clients are spread over several processes."""
     return (trainer is not None and isinstance(getattr(trainer, "strategy", None), ClientParallelStrategy)

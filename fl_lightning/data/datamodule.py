@@ -29,10 +29,14 @@ from fl_lightning.errors import FLUserError
 from fl_lightning.parallel import assign_clients, clients_in_parallel
 
 
+def clients_per_round(num_clients: int, sample_ratio: float) -> int:
+    return max(int(num_clients * sample_ratio), 1)
+
+
 def sample_clients(num_clients: int, sample_ratio: float, seed: int, round_idx: int) -> list[int]:
     """max(floor(N * ratio), 1) clients without replacement, seeded by (seed, round) so that a
     resumed run samples exactly the clients an uninterrupted one would."""
-    k = max(int(num_clients * sample_ratio), 1)
+    k = clients_per_round(num_clients, sample_ratio)
     rng = np.random.default_rng([seed, round_idx])
     return sorted(int(c) for c in rng.choice(num_clients, size=k, replace=False))
 
