@@ -68,6 +68,13 @@ class ResultsCallback(L.Callback):
     def on_fit_start(self, trainer, pl_module) -> None:
         self._started = time.monotonic()
 
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module) -> None:
+        # Lightning only ever adds to `callback_metrics`, so a key logged in some rounds (the
+        # class-wise heatmap's, the spectrum's) would stay there and repeat in every later row,
+        # which the loggers never receive and a resumed process would not write. Emptying it at
+        # the round's start leaves exactly this round's values (validation runs inside the round).
+        trainer.callback_metrics.clear()
+
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module) -> None:
         if trainer.sanity_checking:
             return

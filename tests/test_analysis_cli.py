@@ -124,26 +124,34 @@ def test_bad_analysis_input_is_one_line_and_exit_2(fitted, tmp_path, capsys, ext
     assert not any("Traceback" in line for line in err)
 
 
-def test_metrics_csv_rows_equal_the_wandb_history_and_summary(fitted):
-    from fl_lightning.results import read_metrics, read_summary
+def assert_metrics_csv_equals_wandb_history(root: Path, rounds: int) -> list[dict]:
+    """Every metrics.csv row holds exactly the scalars W&B received for that round, equal values."""
+    from fl_lightning.results import read_metrics
 
-    recs = records(fitted)
     by_round: dict = {}
-    for r in recs:
+    for r in records(root):
         if r.WhichOneof("record_type") == "history":
             # scalars only: media (images, tables, histograms) arrive as nested keys
             row = {i.key or i.nested_key[0]: json.loads(i.value_json) for i in r.history.item
                    if i.key or len(i.nested_key) == 1}
             by_round.setdefault(row["round"], {}).update(row)
-    csv_rows = read_metrics(fitted / "metrics.csv")
-    assert [r["round"] for r in csv_rows] == [1, 2]
+    csv_rows = read_metrics(root / "metrics.csv")
+    assert [r["round"] for r in csv_rows] == list(range(1, rounds + 1))
     for row in csv_rows:
         logged = by_round[row["round"]]
         assert {k for k in row if k != "round"} == {k for k, v in logged.items() if isinstance(v, int | float)
                                                     and not k.startswith("_") and k not in ("round", "epoch",
-                                                                                            "trainer/global_step")}
+                                                                                            "trainer/global_step")}, row["round"]
         for key, value in row.items():
             assert logged[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    return csv_rows
+
+
+def test_metrics_csv_rows_equal_the_wandb_history_and_summary(fitted):
+    from fl_lightning.results import read_summary
+
+    recs = records(fitted)
+    csv_rows = assert_metrics_csv_equals_wandb_history(fitted, rounds=2)
     summary = read_summary(fitted)
     accuracy = [r["global/test_acc"] for r in csv_rows]
     assert summary["best_round"] == 1 + max(range(len(accuracy)), key=accuracy.__getitem__)
@@ -154,3 +162,17 @@ def test_metrics_csv_rows_equal_the_wandb_history_and_summary(fitted):
             wandb_summary.update({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.summary.update})
     for key in ("final_acc", "final_round", "best_acc", "best_round", "rounds_completed", "finished"):
         assert wandb_summary[key] == summary[key], key
+
+
+def test_metrics_csv_rows_hold_only_their_rounds_values(tmp_path):
+    """A statistic logged only on some rounds (the class-wise heatmap's, every 2nd round here) is in
+    those rounds' rows only. Lightning keeps every key ever logged in `trainer.callback_metrics`, so
+    rows built from it used to repeat round 2's values in round 3's row: W&B never got them there,
+    and a run resumed after round 2 did not write them, so a killed-and-resumed run's metrics.csv
+    differed from an uninterrupted one's."""
+    root = tmp_path / "run"
+    assert run(["fit", *SMALL, "--analysis.heatmap_every_n_rounds", "2", "--trainer.max_epochs", "4",
+                "--trainer.default_root_dir", str(root)]) == 0
+    rows = assert_metrics_csv_equals_wandb_history(root, rounds=4)
+    heatmap_rounds = [r["round"] for r in rows if "analysis/local_class_acc_mean" in r]
+    assert heatmap_rounds == [2, 4]
