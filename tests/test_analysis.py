@@ -199,6 +199,18 @@ def test_partition_heatmap_counts_equal_the_partition(tmp_path):
     assert (tmp_path / "analysis" / "partition.png").stat().st_size > 0
 
 
+def test_partition_heatmap_of_1000_clients_is_a_bounded_picture():
+    """A row per client would draw 1,000 clients 17,700 pixels tall (a quarter of a GiB while it is
+    drawn): the picture stops growing at 16 inches; a few clients keep a row each."""
+    from fl_lightning.analysis import plots
+
+    counts = np.random.default_rng(0).integers(0, 50, size=(1000, 10))
+    tall = plots.heatmap_image(counts, "t", "class", "client")
+    assert tall.dtype == np.uint8 and tall.shape[0] <= plots.MAX_HEATMAP_INCHES * 80
+    few = plots.heatmap_image(counts[:20], "t", "class", "client")
+    assert few.shape[0] == round((0.22 * 20 + 1.5) * 80)
+
+
 class _DropoutBN(FLModel):
     """An MLP with BatchNorm and dropout: training depends on BN's running statistics, on the
     module's train/eval mode and on the global RNG (dropout masks), which an analysis must not touch."""

@@ -39,14 +39,22 @@ def contour_image(alphas: Sequence[float], betas: Sequence[float], values: Seque
     return _to_array(fig)
 
 
+MAX_HEATMAP_INCHES = 16.0  # at 80 dpi: 1,280 pixels
+
+
 def heatmap_image(matrix: np.ndarray, title: str, xlabel: str, ylabel: str, annotate: bool | None = None,
                   fmt: str = "{:.0f}") -> np.ndarray:
     """A rows x columns heatmap (clients x classes); numbers written in the cells when small."""
     m = np.asarray(matrix, dtype=np.float64)
     rows, cols = m.shape
-    fig = Figure(figsize=(max(4.0, 0.45 * cols + 2), max(3.0, 0.22 * rows + 1.5)), dpi=80, layout="constrained")
+    # A row per client up to MAX_HEATMAP_INCHES; beyond that (1,000 clients would make a picture
+    # 17,700 pixels tall and cost a quarter of a GiB to draw) rows share pixels, averaged by
+    # matplotlib's antialiasing; the exact numbers are in the JSON file and the W&B table.
+    height = min(max(3.0, 0.22 * rows + 1.5), MAX_HEATMAP_INCHES)
+    fig = Figure(figsize=(max(4.0, 0.45 * cols + 2), height), dpi=80, layout="constrained")
     ax = fig.add_subplot()
-    im = ax.imshow(np.ma.masked_invalid(m), aspect="auto", cmap="magma", interpolation="nearest")
+    im = ax.imshow(np.ma.masked_invalid(m), aspect="auto", cmap="magma",
+                   interpolation="nearest" if height > 0.22 * rows else "antialiased")
     fig.colorbar(im, ax=ax)
     if annotate if annotate is not None else rows * cols <= 400:
         middle = np.nanmean([np.nanmin(m), np.nanmax(m)]) if np.isfinite(m).any() else 0.0
