@@ -90,10 +90,10 @@ class AnalysisCallback(L.Callback):
             product, one chunk at a time (memory of one chunk).
     """
 
-    def __init__(self, every_n_rounds: int = 0, samples: int = 250, seed: int = 0, top_k: int = 5,
+    def __init__(self, every_n_rounds: int = 0, samples: int = 1000, seed: int = 0, top_k: int = 5,
                  max_hvps: int = 40, tol: float = 1e-3, trace_probes: int = 10, layerwise: bool = True,
                  layer_hvps: int = 15, surface: Literal["hessian", "random", "none"] = "hessian",
-                 surface_points: int = 9, surface_radius: float = 1.0, slices: bool = False,
+                 surface_points: int = 11, surface_radius: float = 1.0, slices: bool = False,
                  divergence: bool = True, test_samples: int | None = None, heatmap_every_n_rounds: int = 5,
                  partition: bool = True, max_client_models: int = 2, chunk_size: int = 500,
                  hvp: Literal["graph", "forward", "double"] = "graph"):
