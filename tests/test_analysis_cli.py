@@ -42,6 +42,7 @@ def test_fit_writes_analysis_files(fitted):
     assert spectrum["lambda_1"] >= spectrum["lambda_5"] > 0 and spectrum["lambda_min"] <= spectrum["lambda_5"]
     assert spectrum["lambda_1_over_lambda_5"] == pytest.approx(spectrum["lambda_1"] / spectrum["lambda_5"])
     assert spectrum["lanczos_hvps"] <= 20
+    assert spectrum["spectrum_seconds"] > 0 and spectrum["surface_seconds"] > 0
     surface = result["surface"]
     assert len(surface["loss"]) == 5 and surface["loss"][2][2] == pytest.approx(spectrum["subset_loss"])
     for name in ("surface_loss.png", "surface_acc.png", "classwise_local.png"):
@@ -139,9 +140,9 @@ def assert_metrics_csv_equals_wandb_history(root: Path, rounds: int) -> list[dic
     assert [r["round"] for r in csv_rows] == list(range(1, rounds + 1))
     for row in csv_rows:
         logged = by_round[row["round"]]
-        assert {k for k in row if k != "round"} == {k for k, v in logged.items() if isinstance(v, int | float)
-                                                    and not k.startswith("_") and k not in ("round", "epoch",
-                                                                                            "trainer/global_step")}, row["round"]
+        scalars = {k for k, v in logged.items() if isinstance(v, int | float) and not k.startswith("_")
+                   and k not in ("round", "epoch", "trainer/global_step")}
+        assert {k for k in row if k != "round"} == scalars, row["round"]
         for key, value in row.items():
             assert logged[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
     return csv_rows
@@ -152,6 +153,8 @@ def test_metrics_csv_rows_equal_the_wandb_history_and_summary(fitted):
 
     recs = records(fitted)
     csv_rows = assert_metrics_csv_equals_wandb_history(fitted, rounds=2)
+    # the analysis's own cost, in the round it ran (every 2 rounds here)
+    assert "perf/analysis_seconds" not in csv_rows[0] and csv_rows[1]["perf/analysis_seconds"] > 0
     summary = read_summary(fitted)
     accuracy = [r["global/test_acc"] for r in csv_rows]
     assert summary["best_round"] == 1 + max(range(len(accuracy)), key=accuracy.__getitem__)

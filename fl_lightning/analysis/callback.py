@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -158,11 +159,15 @@ class AnalysisCallback(L.Callback):
         if self.divergence:
             scalars.update(self.round_divergence(trainer, pl_module, round_no, files))
         due = self.every_n_rounds and (round_no % self.every_n_rounds == 0 or round_no == trainer.max_epochs)
+        logged: dict[str, float] = {}
         if due:
+            started = time.perf_counter()
             scalars.update(self.run_analysis(trainer, pl_module, round_no, files))
-        if scalars:
-            pl_module.log_dict({f"analysis/{k}": float(v) for k, v in scalars.items()}, on_step=False,
-                               on_epoch=True, batch_size=1, rank_zero_only=True)
+            # what the analysis adds to this round, next to the round's own perf/round_seconds
+            logged["perf/analysis_seconds"] = time.perf_counter() - started
+        logged.update({f"analysis/{k}": float(v) for k, v in scalars.items()})
+        if logged:
+            pl_module.log_dict(logged, on_step=False, on_epoch=True, batch_size=1, rank_zero_only=True)
         if due or "classwise_local" in files:
             self.write_files(trainer, round_no, scalars, files)
 
@@ -284,14 +289,18 @@ class AnalysisCallback(L.Callback):
             objective = SubsetObjective(model, x, y, chunk_size=self.chunk_size, hvp_mode=self.hvp)
             loss, acc = objective.loss_and_accuracy()
             scalars[f"{prefix}train_subset_loss"], scalars[f"{prefix}train_subset_acc"] = loss, acc
+            started = time.perf_counter()
             spectrum = hessian_spectrum(objective, self.top_k, self.max_hvps, self.tol, self.trace_probes,
                                         self.layerwise, self.layer_hvps, self.seed)
             objective.release_graph()  # the surface needs forward passes only
             scalars.update({f"{prefix}{k}": v for k, v in spectrum.scalars().items()})
-            files[f"{prefix}spectrum"] = {**spectrum.scalars(), "top": spectrum.top, "subset_loss": loss,
-                                          "subset_acc": acc, "samples": len(y)}
+            files[f"{prefix}spectrum"] = info = {**spectrum.scalars(), "top": spectrum.top, "subset_loss": loss,
+                                                 "subset_acc": acc, "samples": len(y),
+                                                 "spectrum_seconds": time.perf_counter() - started}
             if self.surface != "none":
+                started = time.perf_counter()
                 self._surface(trainer, objective, spectrum, prefix, round_no, files)
+                info["surface_seconds"] = time.perf_counter() - started
         rank_zero_info("analysis, round " + str(round_no) + ": " + ", ".join(
             f"{k} {v:.4g}" for k, v in scalars.items() if "layer" not in k and "/" not in k[len("client_0/"):]))
         return scalars
