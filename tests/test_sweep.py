@@ -263,35 +263,44 @@ def summary(run_dir: Path) -> dict:
 
 
 def test_killed_sweep_restarts_skipping_finished_runs_and_resuming_the_others(tmp_path):
-    # Worker 0 takes the 1-round runs, worker 1 starts the 8-round one: when the first run has
-    # finished, the long one is part-way through, with a checkpoint.
-    spec = write_spec(tmp_path / "tiny.yaml", {"seed_everything": {"values": [0, 1]},
-                                               "trainer.max_epochs": {"values": [1, 8]}})
+    # The grid runs the two 1-round runs first, one on each worker; a worker starts an 8-round run
+    # only once its short run has finished. So when a short run has finished and an 8-round run
+    # has a checkpoint, that run is part-way through: it started after the short one and has
+    # rounds left, whatever the machine's load (a race between the workers' start-ups used to let
+    # the 8-round run finish before the kill).
+    spec = write_spec(tmp_path / "tiny.yaml", {"trainer.max_epochs": {"values": [1, 8]},
+                                               "seed_everything": {"values": [0, 1]}})
     root = tmp_path / "runs"
     sweep_dir = root / "tiny"
-    short, long_ = sweep_dir / "seed=0,max_epochs=1", sweep_dir / "seed=0,max_epochs=8"
+    names = ["max_epochs=1,seed=0", "max_epochs=1,seed=1", "max_epochs=8,seed=0", "max_epochs=8,seed=1"]
+    shorts, longs = [sweep_dir / n for n in names[:2]], [sweep_dir / n for n in names[2:]]
     proc = start_sweep(spec, root)
     deadline = time.time() + 600
+    long_ = None
     while time.time() < deadline and proc.poll() is None:
-        if summary(short).get("finished") and (long_ / "checkpoints" / "last.ckpt").exists():
+        started = [run for run in longs if (run / "checkpoints" / "last.ckpt").exists()]
+        if started and any(summary(run).get("finished") for run in shorts):
+            long_ = started[0]
             break
         time.sleep(0.1)
     assert proc.poll() is None, proc.stdout.read()
     os.killpg(proc.pid, signal.SIGKILL)  # the sweep and every run it started, without clean-up
     proc.wait()
-    assert summary(short)["finished"] and not summary(long_).get("finished")
-    first_summary = (short / "summary.json").stat().st_mtime_ns
+    done_before = [run for run in shorts if summary(run).get("finished")]
+    assert done_before and not any(summary(run).get("finished") for run in longs)
+    first_summaries = {run: (run / "summary.json").stat().st_mtime_ns for run in done_before}
 
     again = start_sweep(spec, root)
     out, _ = again.communicate(timeout=900)
     assert again.returncode == 0, out
-    assert "4 runs (1 already done)" in out
-    names = ["seed=0,max_epochs=1", "seed=0,max_epochs=8", "seed=1,max_epochs=1", "seed=1,max_epochs=8"]
+    assert f"4 runs ({len(done_before)} already done)" in out
     for name in names:
         assert summary(sweep_dir / name)["finished"], name
-    # The finished run was not run again; the interrupted one resumed from its checkpoint.
-    assert (short / "summary.json").stat().st_mtime_ns == first_summary
-    assert f"start {short.name}" not in out and f"resume {long_.name}" in out
+    # The finished runs were not run again; the interrupted one resumed from its checkpoint.
+    for run, mtime in first_summaries.items():
+        assert (run / "summary.json").stat().st_mtime_ns == mtime
+        assert f"start {run.name}" not in out
+    assert f"resume {long_.name}" in out
     record = json.loads((sweep_dir / ".sweep" / f"{long_.name}.json").read_text())
     assert record["attempts"] == 2 and "--ckpt_path=last" in record["command"]
 
