@@ -42,7 +42,7 @@ from fl_lightning.errors import FLUserError
 from fl_lightning.federation import FederatedCallback, FLDivergedError
 from fl_lightning.loggers import describe_wandb_run
 from fl_lightning.methods import FederatedMethod
-from fl_lightning.parallel import check_process_count, client_strategy_name
+from fl_lightning.parallel import check_method, check_process_count, client_strategy_name
 from fl_lightning.personalization import PersonalizationCallback
 from fl_lightning.progress import RoundProgressBar
 from fl_lightning.results import ResultsCallback
@@ -155,9 +155,8 @@ class FLCLI(LightningCLI):
 
         model = cfg.get("model")
         method = import_object(model.class_path) if getattr(model, "class_path", None) else None
-        if method is not None and not getattr(method, "runs_clients_in_parallel", True):
-            raise FLUserError(f"{method.__name__} cannot train clients in parallel processes yet; run it on one "
-                              f"process (--trainer.devices 1) or set --federation.parallel batch")
+        if method is not None:
+            check_method(method)
         trainer, data = cfg["trainer"], cfg["data"]
         devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
         if isinstance(devices, str) and devices.isdigit():

@@ -22,7 +22,13 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from fl_lightning.data.datamodule import clients_per_round
 from fl_lightning.errors import FLUserError
-from fl_lightning.parallel import ClientParallelStrategy, Collective, check_process_count, clients_in_parallel
+from fl_lightning.parallel import (
+    ClientParallelStrategy,
+    Collective,
+    check_method,
+    check_process_count,
+    clients_in_parallel,
+)
 from fl_lightning.uploads import ClientUpload, RoundUploads, all_finite
 
 
@@ -120,9 +126,7 @@ class FederatedCallback(L.Callback):
         if not isinstance(trainer.strategy, ClientParallelStrategy):
             raise FLUserError(f"--federation.parallel clients runs with --trainer.strategy ddp (got "
                               f"{type(trainer.strategy).__name__}); or set --federation.parallel batch")
-        if not pl_module.runs_clients_in_parallel:
-            raise FLUserError(f"{type(pl_module).__name__} cannot train clients in parallel processes yet; "
-                              f"run it on one process (--trainer.devices 1) or set --federation.parallel batch")
+        check_method(type(pl_module))
         dm = trainer.datamodule
         check_process_count(world, clients_per_round(dm.hparams.num_clients, dm.hparams.sample_ratio))
 

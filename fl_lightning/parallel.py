@@ -76,6 +76,15 @@ def check_process_count(processes: int, clients_per_round: int) -> None:
                           f"--trainer.num_nodes) or sample more clients (--data.sample_ratio)")
 
 
+def check_method(method: type) -> None:
+    """The method can train its clients in parallel processes (`runs_clients_in_parallel`)."""
+    from fl_lightning.errors import FLUserError
+
+    if not getattr(method, "runs_clients_in_parallel", True):
+        raise FLUserError(f"{method.__name__} cannot train clients in parallel processes yet; run it on one "
+                          f"process (--trainer.devices 1) or set --federation.parallel batch")
+
+
 def clients_in_parallel(trainer: Any) -> bool:
     """True when the round's clients are spread over several processes."""
     return (trainer is not None and isinstance(getattr(trainer, "strategy", None), ClientParallelStrategy)

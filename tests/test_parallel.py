@@ -6,7 +6,6 @@ Every comparison is against the plain one-process run, which never touches the p
 
 from __future__ import annotations
 
-import csv
 import os
 import subprocess
 import sys
@@ -14,9 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from fl_test_utils import reproducible_rows
 
 from fl_lightning.client_store import read_client_states
 from fl_lightning.parallel import assign_clients
+from fl_lightning.results import read_metrics
 
 HERE = Path(__file__).parent
 RUNS = HERE / "parallel_runs.py"
@@ -43,13 +44,6 @@ def checkpoint(root: Path) -> dict:
     return torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
 
 
-def metric_rows(root: Path) -> list[dict[str, float]]:
-    with open(root / "metrics.csv") as f:
-        rows = list(csv.DictReader(f))
-    # perf/* is each run's own clock; everything else must agree
-    return [{k: float(v) for k, v in r.items() if v != "" and not k.startswith("perf/")} for r in rows]
-
-
 def assert_same_tensors(a, b, where: str, exact: list[bool]) -> None:
     if isinstance(a, dict):
         assert set(a) == set(b), f"{where}: keys differ"
@@ -73,7 +67,8 @@ def assert_same_run(one: Path, other: Path, exact: list[bool]) -> None:
         models = [read_client_states({k: v for k, v in c["fl_client_models"].items() if k != "num_clients"})
                   for c in (a, b)]
         assert_same_tensors(models[0], models[1], "client models", exact)
-    rows_a, rows_b = metric_rows(one), metric_rows(other)
+    # perf/* is each run's own clock; everything else must agree
+    rows_a, rows_b = (reproducible_rows(read_metrics(root / "metrics.csv")) for root in (one, other))
     assert [r["round"] for r in rows_a] == [r["round"] for r in rows_b] == [1.0, 2.0, 3.0]
     for ra, rb in zip(rows_a, rows_b, strict=True):
         assert set(ra) == set(rb)
@@ -142,3 +137,16 @@ def test_impossible_client_parallelism_is_one_line_and_exit_2_before_any_launch(
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == message
     assert "Initializing distributed" not in proc.stderr  # refused before any process was launched
+
+
+def test_a_method_that_cannot_train_clients_in_parallel_is_refused_in_one_line():
+    """The one check the CLI (before launch) and the federated callback (in every process) share."""
+    from fl_lightning.errors import FLUserError
+    from fl_lightning.methods import FedAvg
+    from fl_lightning.parallel import check_method
+
+    check_method(FedAvg)  # every shipped method can
+    sequential = type("SequentialOnly", (FedAvg,), {"runs_clients_in_parallel": False})
+    with pytest.raises(FLUserError, match=r"^SequentialOnly cannot train clients in parallel processes yet; "
+                                          r"run it on one process \(--trainer.devices 1\)"):
+        check_method(sequential)

@@ -37,13 +37,13 @@ from torch.func import functional_call
 from fl_lightning.analysis import plots
 from fl_lightning.analysis.divergence import classwise_accuracy, client_updates, divergence_stats, partition_counts
 from fl_lightning.analysis.hessian import hessian_spectrum
-from fl_lightning.analysis.objective import SubsetObjective, eval_mode
+from fl_lightning.analysis.objective import HVP_MODES, SubsetObjective, eval_mode
 from fl_lightning.analysis.surface import DIRECTION_KINDS, filter_normalized_direction, slice_1d, surface_2d
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import FederatedCallback
 
 SURFACE_KINDS = (*DIRECTION_KINDS, "none")
-HVP_CHOICES = ("graph", "forward", "double")
+HVP_CHOICES = tuple(m for m in HVP_MODES if m != "auto")  # --analysis.hvp; "auto" is for direct use
 
 
 
