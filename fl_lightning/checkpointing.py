@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -28,39 +27,11 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_info
 
+from fl_lightning.atomic import atomic_write_bytes
 from fl_lightning.errors import FLUserError
 
 log = logging.getLogger(__name__)
 LAST = "last.ckpt"
-TEMP_MARK = ".partial-"
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write `data` to `path` so that a reader (or a process killed mid-write) sees either the old
-    content or all of the new one: temp file in the same directory, fsync, rename, fsync the dir."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f"{TEMP_MARK}{os.getpid()}-{path.name}")
-    with open(temp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # the rename itself must reach the disk before we call the round saved
-    finally:
-        os.close(fd)
-
-
-def remove_stray_temporaries(directory: str | Path) -> list[Path]:
-    """Temporary files left by a process killed mid-write; safe to delete only while holding the
-    run directory's lock (rundir.py), when no other process can be writing them."""
-    directory = Path(directory)
-    stray = sorted(directory.glob(f"{TEMP_MARK}*")) if directory.is_dir() else []
-    for path in stray:
-        path.unlink(missing_ok=True)
-    return stray
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

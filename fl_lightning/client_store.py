@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save
 
-from fl_lightning.checkpointing import atomic_write_bytes
+from fl_lightning.atomic import atomic_write_bytes
 
 State = dict[str, torch.Tensor]
 

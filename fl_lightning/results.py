@@ -20,7 +20,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from fl_lightning.checkpointing import atomic_write_bytes
+from fl_lightning.atomic import atomic_write_bytes
 from fl_lightning.loggers import update_wandb_summary
 
 # The run's accuracy: the global model's on the global test set, or, for model-heterogeneous methods

@@ -15,7 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
-from fl_lightning.checkpointing import remove_stray_temporaries
+from fl_lightning.atomic import remove_stray_temporaries
 from fl_lightning.errors import FLUserError
 
 LOCK_NAME = ".fl-lightning.lock"

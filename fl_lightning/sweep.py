@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from fl_lightning.checkpointing import atomic_write_bytes
+from fl_lightning.atomic import atomic_write_bytes
 from fl_lightning.errors import FLUserError
 
 SEARCH_METHODS = ("grid", "random", "bayes")

@@ -7,7 +7,7 @@ import signal
 
 import lightning as L
 
-import fl_lightning.checkpointing as checkpointing
+import fl_lightning.atomic as atomic
 
 
 class KillSwitch(L.Callback):
@@ -27,17 +27,17 @@ class KillSwitch(L.Callback):
     def setup(self, trainer, pl_module, stage) -> None:
         if self.where != "write":
             return
-        real_fsync, switch = checkpointing.os.fsync, self
+        real_fsync, switch = atomic.os.fsync, self
 
         def fsync_then_die(fd):
             path = os.readlink(f"/proc/self/fd/{fd}")
             name = os.path.basename(path)
-            if switch._this_round(trainer) and name.startswith(checkpointing.TEMP_MARK) and name.endswith(".ckpt"):
+            if switch._this_round(trainer) and name.startswith(atomic.TEMP_MARK) and name.endswith(".ckpt"):
                 os.ftruncate(fd, os.fstat(fd).st_size // 2)
                 switch._fire()
             real_fsync(fd)
 
-        checkpointing.os.fsync = fsync_then_die
+        atomic.os.fsync = fsync_then_die
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         # one Trainer batch is one client: after the round's first client (the round and its

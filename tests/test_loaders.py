@@ -372,14 +372,14 @@ def test_run_with_a_truncated_mnist5k_cache_proceeds(mnist5k_reference, tmp_path
 
 KILLED_CACHE_WRITER = """
 import os, signal, sys
-import fl_lightning.checkpointing as checkpointing
+import fl_lightning.atomic as atomic
 from fl_lightning.data import datasets
 
 def fsync_then_die(fd):  # the temporary cache file is half written when the process dies
     os.ftruncate(fd, os.fstat(fd).st_size // 2)
     os.kill(os.getpid(), signal.SIGKILL)
 
-checkpointing.os.fsync = fsync_then_die
+atomic.os.fsync = fsync_then_die
 datasets.load_mnist5k_arrays()
 """
 

@@ -27,7 +27,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import Dataset, TensorDataset
 
-from fl_lightning.checkpointing import TEMP_MARK, atomic_write_bytes
+from fl_lightning.atomic import TEMP_MARK, atomic_write_bytes
 from fl_lightning.data.tensors import TensorImages
 from fl_lightning.errors import FLUserError, unknown_name
 

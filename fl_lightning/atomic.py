@@ -1,0 +1,40 @@
+"""Atomic file writes: a reader, or a process killed mid-write, sees either a file's old content or
+all of its new content, never a part. Every file the project writes inside a run directory (round
+checkpoints, client-state files, metrics.csv, summary.json, sweep records, the data cache) goes
+through `atomic_write_bytes`; the temporaries it leaves behind when killed carry `TEMP_MARK` and
+are removed by `remove_stray_temporaries` on the next start."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+TEMP_MARK = ".partial-"
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write `data` to `path` so that a reader (or a process killed mid-write) sees either the old
+    content or all of the new one: temp file in the same directory, fsync, rename, fsync the dir."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f"{TEMP_MARK}{os.getpid()}-{path.name}")
+    with open(temp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(temp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # the rename itself must reach the disk before we call the round saved
+    finally:
+        os.close(fd)
+
+
+def remove_stray_temporaries(directory: str | Path) -> list[Path]:
+    """Temporary files left by a process killed mid-write; safe to delete only while holding the
+    run directory's lock (rundir.py), when no other process can be writing them."""
+    directory = Path(directory)
+    stray = sorted(directory.glob(f"{TEMP_MARK}*")) if directory.is_dir() else []
+    for path in stray:
+        path.unlink(missing_ok=True)
+    return stray
