@@ -19,46 +19,64 @@
 - One fit per run directory (fl_lightning/rundir.py): a second fit into a used directory is
   refused unless it resumes (`--ckpt_path last`) or overwrites (`--overwrite true`).
 - SIGTERM (a preempted job) and Ctrl-C abandon the current round and exit with 128 + the signal's
-  number and one line saying how to resume; the last completed round's checkpoint is kept.
-- User errors (unknown names, impossible partitions, missing files) print one line, exit 2.
+  number and one line saying how to resume; the last completed round's checkpoint is kept. A
+  second signal while the first is being handled changes nothing; a signal after the run's end
+  changes nothing either.
+- The exit code follows the run's outcome (outcome.py): 0 every round ran, 3 stopped by a
+  divergence or collapse, 4 a process of the run died or the disk refused a write (resumable),
+  2 bad input (unknown names, impossible partitions, missing or damaged files), each with one
+  `error:` line printed once (by rank 0 of a multi-process run).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
-from lightning.pytorch.callbacks import Checkpoint, ProgressBar
+from lightning.pytorch.callbacks import Callback, Checkpoint, ProgressBar
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import DDPStrategy
 
-from fl_lightning import report, sweep
+from fl_lightning import compat, report, sweep
 from fl_lightning.analysis.callback import AnalysisCallback
 from fl_lightning.analysis.command import FLTrainer
-from fl_lightning.checkpointing import LAST, AtomicCheckpointIO, RoundCheckpoint, check_compatible, load_checkpoint_file
+from fl_lightning.checkpointing import (
+    LAST,
+    AtomicCheckpointIO,
+    RoundCheckpoint,
+    check_compatible,
+    load_checkpoint_file,
+    verify_client_state_files,
+)
 from fl_lightning.data.datamodule import FederatedDataModule, clients_per_round
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import FederatedCallback, FLDivergedError
+from fl_lightning.federation import FederatedCallback, federation_of
 from fl_lightning.loggers import describe_wandb_run
 from fl_lightning.methods import FederatedMethod
-from fl_lightning.parallel import check_method, check_process_count, client_strategy_name
+from fl_lightning.outcome import (
+    EXIT_LOST,
+    EXIT_STOPPED,
+    EXIT_USER_ERROR,
+    FLInterrupted,
+    disk_refused,
+    lost_peer,
+)
+from fl_lightning.parallel import check_process_count, client_strategy_name, lost_processes
 from fl_lightning.personalization import PersonalizationCallback
 from fl_lightning.progress import RoundProgressBar
 from fl_lightning.results import ResultsCallback
 from fl_lightning.rundir import RunDirectory, is_first_process, run_name_from_configs
 
 
-class FLInterrupted(BaseException):
-    """SIGTERM or SIGINT: the current round is abandoned (a BaseException, like KeyboardInterrupt,
-    so no `except Exception` on the way swallows it)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
 def _raise_interrupted(signum, frame) -> None:
+    # the first signal ends the run; later ones (an impatient Ctrl-C Ctrl-C, a scheduler's TERM
+    # then INT) must not cut the clean-up short: they are ignored from here on
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
     raise FLInterrupted(signum)
 
 
@@ -119,6 +137,7 @@ class FLCLI(LightningCLI):
             raise FLUserError(f"--ckpt_path {ckpt}: no such file")
         state = load_checkpoint_file(ckpt)
         check_compatible(ckpt, state, cfg["model"], cfg["data"])
+        verify_client_state_files(ckpt, state)
 
     def before_instantiate_classes(self) -> None:
         cfg = self._subcommand_config()
@@ -151,12 +170,6 @@ class FLCLI(LightningCLI):
     def _check_client_parallelism(cfg) -> None:
         """The federated callback checks again in every process; this fails before any launch
         where the configuration alone tells (FederatedCallback._check_parallel)."""
-        from jsonargparse._util import import_object
-
-        model = cfg.get("model")
-        method = import_object(model.class_path) if getattr(model, "class_path", None) else None
-        if method is not None:
-            check_method(method)
         trainer, data = cfg["trainer"], cfg["data"]
         devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
         if isinstance(devices, str) and devices.isdigit():
@@ -174,9 +187,19 @@ class FLCLI(LightningCLI):
     before_validate = before_test = before_analyze = before_fit
 
     def after_fit(self) -> None:
-        finish_wandb(exit_code=0)
+        finish_wandb(exit_code=self.exit_code())
 
     after_validate = after_test = after_analyze = after_fit
+
+    def exit_code(self) -> int:
+        """0, or 3 when a decision (divergence, collapse with on_collapse stop) stopped the run."""
+        federation = federation_of(self.trainer) if getattr(self, "trainer", None) is not None else None
+        return EXIT_STOPPED if federation is not None and federation.record.stopped else 0
+
+    def stop_line(self) -> str | None:
+        """The `error:` line of a run a decision stopped, else None."""
+        federation = federation_of(self.trainer) if getattr(self, "trainer", None) is not None else None
+        return federation.record.reason if federation is not None and federation.record.stopped else None
 
     def _instantiate_trainer(self, config: dict, callbacks: list):
         # Added next to (not instead of) the user's trainer.callbacks, and only where the user has
@@ -189,9 +212,52 @@ class FLCLI(LightningCLI):
             self.round_checkpoint = RoundCheckpoint(self._checkpoint_dir)
             callbacks.append(self.round_checkpoint)
         callbacks.append(ResultsCallback(self._run_root))
+        callbacks.append(LostProcessWatchdog())
         trainer = super()._instantiate_trainer(config, callbacks)
         trainer.strategy.checkpoint_io = AtomicCheckpointIO(self.round_checkpoint)
+        federation = federation_of(trainer)
+        if isinstance(trainer.strategy, DDPStrategy) and federation is not None:
+            compat.set_collective_timeout(trainer.strategy, federation.collective_timeout)
         return trainer
+
+
+class LostProcessWatchdog(Callback):
+    """On rank 0 of a run whose other processes Lightning's launcher started here: if one of them
+    dies (kill -9, out of memory, a crash), the run ends as lost with one line naming it, instead of
+    rank 0 waiting in its next collective (gloo notices a dead peer within seconds and this only
+    adds the name; NCCL would wait for the collective timeout)."""
+
+    POLL_SECONDS, GRACE_SECONDS = 0.5, 10.0
+
+    def __init__(self):
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        if trainer.is_global_zero and compat.launched_processes(trainer) and self._thread is None:
+            self._thread = threading.Thread(target=self._watch, args=(trainer, pl_module), daemon=True)
+            self._thread.start()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        self._stop.set()
+
+    def _watch(self, trainer, pl_module) -> None:
+        while not self._stop.wait(self.POLL_SECONDS):
+            if lost_processes(trainer, wait=0):
+                # the main thread usually hears of it from its collective first and ends the run
+                # itself; if it is still running after the grace period, it is stuck there
+                if self._stop.wait(self.GRACE_SECONDS):
+                    return
+                line = _lost_line()
+                results = next((c for c in trainer.callbacks if isinstance(c, ResultsCallback)), None)
+                if results is not None:
+                    with contextlib.suppress(Exception):
+                        results.record_lost(trainer, pl_module, line)
+                print(f"error: {line}", file=sys.stderr, flush=True)
+                for _, proc in compat.launched_processes(trainer):
+                    with contextlib.suppress(OSError):
+                        proc.kill()
+                os._exit(EXIT_LOST)
 
 
 TRAINER_DEFAULTS = {
@@ -299,35 +365,62 @@ def _raised_by_trainer_init(err: BaseException) -> bool:
 
 
 def _one_line(err: BaseException, args: list[str] | None = None) -> tuple[str, int] | None:
-    """The one line (and exit code) for an error the user caused, or None for a real bug.
-    Errors raised while jsonargparse instantiates a class arrive wrapped, so walk the chain."""
+    """The one line (and exit code) for an error the user caused or the environment did (a lost
+    process, a disk that refuses writes), or None for a real bug. Errors raised while jsonargparse
+    instantiates a class arrive wrapped, so walk the chain."""
     seen = err
     while seen is not None:
         if isinstance(seen, FLUserError):
-            return str(seen), 2
-        if isinstance(seen, FLDivergedError):
-            return str(seen), 3
+            return str(seen), EXIT_USER_ERROR
         seen = seen.__cause__ or seen.__context__
+    if lost_peer(err):
+        return _lost_line(), EXIT_LOST
+    refused = disk_refused(err)
+    if refused is not None:
+        return (f"the disk refused a write ({refused.strerror}: {refused.filename}){_saved_rounds()}; make room "
+                f"(or make the run directory writable) and run the same command{_resume_hint()}"), EXIT_LOST
     if type(err).__name__ == "ArgumentError":  # jsonargparse's parse errors (exit_on_error=False)
-        return _summarise_parse_error(str(err), args), 2
+        return _summarise_parse_error(str(err), args), EXIT_USER_ERROR
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     if isinstance(err, (ValueError, TypeError, MisconfigurationException)) and _raised_by_trainer_init(err):
-        return f"trainer: {' '.join(str(err).split())}", 2
+        return f"trainer: {' '.join(str(err).split())}", EXIT_USER_ERROR
     return None
 
 
-def _interrupted_line(err: FLInterrupted) -> str:
+def _trainer():
     cli = FLCLI.active
-    where = ""
-    if cli is not None and getattr(cli, "trainer", None) is not None:
-        trainer = cli.trainer
-        where = f" in round {trainer.current_epoch + 1}/{trainer.max_epochs}"
-        checkpoint = cli.round_checkpoint
-        if checkpoint is not None and checkpoint.last_path.exists():
-            saved = checkpoint.rounds_saved
-            return (f"interrupted by {err}{where}; {saved} completed round(s) are saved in {checkpoint.last_path}: "
-                    f"resume with the same command and --ckpt_path last")
+    return getattr(cli, "trainer", None) if cli is not None else None
+
+
+def _saved_rounds() -> str:
+    """"; N completed round(s) are saved in <file>" when the round checkpoint exists."""
+    cli = FLCLI.active
+    checkpoint = getattr(cli, "round_checkpoint", None) if cli is not None else None
+    if checkpoint is not None and checkpoint.last_path.exists():
+        return f"; {checkpoint.rounds_saved} completed round(s) are saved in {checkpoint.last_path}"
+    return "; no round was completed"
+
+
+def _resume_hint() -> str:
+    cli = FLCLI.active
+    checkpoint = getattr(cli, "round_checkpoint", None) if cli is not None else None
+    return " with --ckpt_path last" if checkpoint is not None and checkpoint.last_path.exists() else ""
+
+
+def _lost_line() -> str:
+    trainer = _trainer()
+    where = f" in round {trainer.current_epoch + 1}/{trainer.max_epochs}" if trainer is not None else ""
+    lost = lost_processes(trainer) if trainer is not None else []
+    who = ", ".join(lost) if lost else "another process of the run stopped responding"
+    return f"lost process: {who}{where}{_saved_rounds()}; run the same command{_resume_hint()} to resume"
+
+
+def _interrupted_line(err: FLInterrupted) -> str:
+    trainer = _trainer()
+    where = f" in round {trainer.current_epoch + 1}/{trainer.max_epochs}" if trainer is not None else ""
+    if _resume_hint():
+        return f"interrupted by {err}{where}{_saved_rounds()}: resume with the same command and --ckpt_path last"
     return f"interrupted by {err}{where}; no round was completed, so there is nothing to resume: start the run again"
 
 
@@ -357,25 +450,51 @@ def main(args: list[str] | None = None) -> None:
         args = sweep.agent_run_dir_args(argv)
     previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
     FLCLI.active = None
+    first = is_first_process()  # rank 0 says what happened; the other ranks exit with the same code
     try:
-        build_cli(args)
+        cli = build_cli(args)
+        code, line = cli.exit_code(), cli.stop_line()
     except FLInterrupted as err:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
-        finish_wandb(exit_code=128 + err.signum)
-        print(f"error: {_interrupted_line(err)}", file=sys.stderr)
-        sys.exit(128 + err.signum)
+        code, line = _after_interrupt(err)
     except Exception as err:
         reported = _one_line(err, args)
-        finish_wandb(exit_code=1)
+        finish_wandb(exit_code=reported[1] if reported else 1)
         if reported is None:
             raise
-        print(f"error: {reported[0]}", file=sys.stderr)
-        sys.exit(reported[1])
+        code, line = reported[1], reported[0]
+        if code == EXIT_LOST and not first and not _parent_gone():
+            line = None  # rank 0 names the lost process
     finally:
         if FLCLI.active is not None and FLCLI.active.run_dir is not None:
             FLCLI.active.run_dir.unlock()
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        if args is not None:  # called in-process (tests, sweeps): leave the caller's handlers as they were
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+    if line and (first or _parent_gone()):
+        print(f"error: {line}", file=sys.stderr)
+    if code:
+        sys.exit(code)
+
+
+def _after_interrupt(err: FLInterrupted) -> tuple[int, str | None]:
+    """A signal: the run's own exit code if it had already ended (a signal after completion
+    changes nothing), else 128 + the signal's number."""
+    cli, trainer = FLCLI.active, _trainer()
+    federation = federation_of(trainer) if trainer is not None else None
+    if federation is not None and federation.record.outcome.final and cli is not None:
+        finish_wandb(exit_code=cli.exit_code())
+        return cli.exit_code(), cli.stop_line()
+    finish_wandb(exit_code=128 + err.signum)
+    return 128 + err.signum, _interrupted_line(err)
+
+
+_INITIAL_PARENT = os.getppid()
+
+
+def _parent_gone() -> bool:
+    """For a process Lightning's launcher started (ranks > 0 on one machine): rank 0, its parent,
+    has died, so nobody else will say what happened."""
+    return not is_first_process() and os.getppid() != _INITIAL_PARENT
 
 
 def _run_tool(args: list[str]) -> int:

@@ -76,13 +76,29 @@ def check_process_count(processes: int, clients_per_round: int) -> None:
                           f"--trainer.num_nodes) or sample more clients (--data.sample_ratio)")
 
 
-def check_method(method: type) -> None:
-    """The method can train its clients in parallel processes (`runs_clients_in_parallel`)."""
-    from fl_lightning.errors import FLUserError
+def lost_processes(trainer: Any, wait: float = 2.0) -> list[str]:
+    """The processes of this run that Lightning's launcher started from this one and that died
+    (killed by a signal, or exited with an error), each as "rank r (pid p) was killed by SIGKILL";
+    waits up to `wait` seconds for a process whose connection dropped to be reaped."""
+    import signal
+    import time
 
-    if not getattr(method, "runs_clients_in_parallel", True):
-        raise FLUserError(f"{method.__name__} cannot train clients in parallel processes yet; run it on one "
-                          f"process (--trainer.devices 1) or set --federation.parallel batch")
+    from fl_lightning import compat
+    from fl_lightning.outcome import EXIT_STOPPED
+
+    children = compat.launched_processes(trainer)
+    deadline = time.monotonic() + wait
+    while True:
+        lost = []
+        for rank, proc in children:
+            code = proc.poll()
+            if code is None or code in (0, EXIT_STOPPED):
+                continue
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            lost.append(f"rank {rank} (pid {proc.pid}) {how}")
+        if lost or not children or time.monotonic() >= deadline:
+            return lost
+        time.sleep(0.1)
 
 
 def clients_in_parallel(trainer: Any) -> bool:

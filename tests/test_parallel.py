@@ -137,16 +137,3 @@ def test_impossible_client_parallelism_is_one_line_and_exit_2_before_any_launch(
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1] == message
     assert "Initializing distributed" not in proc.stderr  # refused before any process was launched
-
-
-def test_a_method_that_cannot_train_clients_in_parallel_is_refused_in_one_line():
-    """The one check the CLI (before launch) and the federated callback (in every process) share."""
-    from fl_lightning.errors import FLUserError
-    from fl_lightning.methods import FedAvg
-    from fl_lightning.parallel import check_method
-
-    check_method(FedAvg)  # every shipped method can
-    sequential = type("SequentialOnly", (FedAvg,), {"runs_clients_in_parallel": False})
-    with pytest.raises(FLUserError, match=r"^SequentialOnly cannot train clients in parallel processes yet; "
-                                          r"run it on one process \(--trainer.devices 1\)"):
-        check_method(sequential)
