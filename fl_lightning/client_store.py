@@ -19,12 +19,15 @@ whenever it is read (and `verify` checks them all before a resume starts), and a
 run with one line naming the file and the client (`ClientStateError`, exit code 2).
 
 When a round's clients train on several processes (parallel.py), each process has its own store
-over the same folder. A state changes on the process that trained the client; after the round
-(`sync`) every process writes what it changed (file names carry the process's rank) and learns
-where the others wrote theirs, dropping its stale cached copies: the one mechanism that moves
-client state between processes, for every kind of state. So a state moves only when another
-process needs it, every process's manifest is the same, and the round checkpoint (written by
-rank 0) names every client's state exactly once. Only rank 0 deletes files.
+over the same folder, and writes its files into a subfolder of its own (`rank<r>/`; rank 0 into
+the folder itself). A state changes on the process that trained the client; after the round
+(`sync`) every process writes what it changed and learns where the others wrote theirs, dropping
+its stale cached copies: the one mechanism that moves client state between processes, for every
+kind of state. So a state moves only when another process needs it, every process's manifest is
+the same, and the round checkpoint (written by rank 0) names every client's state exactly once.
+A process deletes only files in its own subfolder that no recent manifest names. States that every
+process built identically (heterogeneous clients' initial models, drawn from the run's seed) are
+not published (`mark_synced`): each process keeps its own copy.
 """
 
 from __future__ import annotations
@@ -81,17 +84,17 @@ class ClientStateStore(MutableMapping):
         self._files: dict[int, FileRecord] = {}  # client -> its newest file
         self._version = 0
         self._previous_manifest: set[str] = set()
-        self.rank = 0  # set by `sync`: names this process's files and lets only rank 0 delete
+        self.rank = 0  # this process's rank among the processes that train a round's clients
         self.directory: Path | None = None
         self.cache_size = 0
         self.bytes_written = 0
         self.configure(directory, cache_size)
 
-    def configure(self, directory: str | Path | None, cache_size: int = 0) -> None:
+    def configure(self, directory: str | Path | None, cache_size: int = 0, rank: int = 0) -> None:
         if cache_size < 0:
             raise ValueError(f"cache_size must be >= 0 (0 = unlimited), got {cache_size}")
         self.directory = None if directory is None else Path(directory)
-        self.cache_size = cache_size
+        self.cache_size, self.rank = cache_size, rank
         if self.cache_size and self.directory is None:
             raise ValueError("a bounded client-state cache needs a directory for the files")
         self._evict()
@@ -141,13 +144,16 @@ class ClientStateStore(MutableMapping):
             raise RuntimeError("the client-state store has files but no directory")
         return self.directory / record.name
 
+    @property
+    def own_folder(self) -> str:
+        """This process's subfolder of the store's folder ("" for rank 0)."""
+        return f"rank{self.rank}/" if self.rank else ""
+
     def _write(self, client: int) -> None:
         self._version += 1
-        rank = f".r{self.rank}" if self.rank else ""
-        name = f"client{client}.v{self._version}{rank}.safetensors"
+        name = f"{self.own_folder}client{client}.v{self._version}.safetensors"
         tensors = {k: v.detach().cpu().contiguous() for k, v in self._cache[client].items()}
         data = save(tensors, metadata={"client": str(client)})
-        self.directory.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(self.directory / name, data)
         self.bytes_written += len(data)
         self._files[client] = FileRecord(name, len(data), _checksum(data))
@@ -216,17 +222,26 @@ class ClientStateStore(MutableMapping):
         return dict(sorted(self._files.items()))
 
     def checkpoint_state(self) -> dict:
-        """What the round checkpoint records; prunes files no recent checkpoint names (rank 0)."""
+        """What the round checkpoint records (rank 0 writes it: its states are written first);
+        every process then prunes the files of its own subfolder that neither this checkpoint nor
+        the previous one names."""
         if self.directory is None:
             return {"states": {c: dict(s) for c, s in self._cache.items()}}
-        manifest = self.manifest()
+        manifest = self.manifest() if self.rank == 0 else dict(sorted(self._files.items()))
         names = {record.name for record in manifest.values()}
-        if self.directory.is_dir() and self.rank == 0:
-            for path in self.directory.glob(FILE_PATTERN):
-                if path.name not in names and path.name not in self._previous_manifest:
+        folder = self.directory / self.own_folder
+        if folder.is_dir():
+            for path in folder.glob(FILE_PATTERN):
+                name = f"{self.own_folder}{path.name}"
+                if name not in names and name not in self._previous_manifest:
                     path.unlink(missing_ok=True)
         self._previous_manifest = names
         return {"manifest": {c: r.as_list() for c, r in manifest.items()}, "version": self._version}
+
+    def mark_synced(self) -> None:
+        """The states set so far are the same on every process (built from the same seed): none
+        of them needs publishing at the next `sync`."""
+        self._unpublished.clear()
 
     def sync(self, collective) -> None:
         """After a round whose clients trained on several processes (`parallel.Collective`):
@@ -234,7 +249,6 @@ class ClientStateStore(MutableMapping):
         themselves for a store without a directory) and takes the others'. A no-op otherwise."""
         if not collective.distributed:
             return
-        self.rank = collective.rank
         changed, self._unpublished = sorted(self._unpublished), set()
         if self.directory is None:  # in memory: every process keeps every state
             for rank, part in enumerate(collective.gather({c: self._cache[c] for c in changed})):
@@ -263,8 +277,8 @@ class ClientStateStore(MutableMapping):
         self._dirty.clear()
         self._unpublished.clear()
         self._files = {}
-        if "states" in saved:
-            for client, state in saved["states"].items():
+        if "states" in saved or not saved:
+            for client, state in saved.get("states", {}).items():
                 self[int(client)] = state
             self._unpublished.clear()
             return

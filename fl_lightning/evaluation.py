@@ -59,8 +59,8 @@ class MeanLoss(Metric):
 
     full_state_update = False
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
         self.add_state("total", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self.add_state("samples", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
 
@@ -78,14 +78,17 @@ class Evaluation(nn.Module):
     Args:
         num_classes: number of classes of the scores.
         per_class: also count per class (the analyses' class-wise accuracy).
+        sync: sum the counts of every process when computed (Lightning's logging of the global
+            model's evaluation); an evaluation one process makes for itself (a local model, a
+            client's own model) must not wait for the others.
     """
 
-    def __init__(self, num_classes: int, per_class: bool = False):
+    def __init__(self, num_classes: int, per_class: bool = False, sync: bool = False):
         super().__init__()
-        self.accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro", validate_args=False)
-        self.loss = MeanLoss()  # a NaN loss must reach the divergence policy, not be dropped
-        self.per_class = (MulticlassAccuracy(num_classes=num_classes, average="none", validate_args=False)
-                          if per_class else None)
+        kw = {"validate_args": False, "sync_on_compute": sync}
+        self.accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro", **kw)
+        self.loss = MeanLoss(sync_on_compute=sync)  # a NaN loss must reach the divergence policy, not be dropped
+        self.per_class = MulticlassAccuracy(num_classes=num_classes, average="none", **kw) if per_class else None
 
     def update(self, scores: torch.Tensor, y: torch.Tensor) -> None:
         scores = scores.float()
@@ -100,8 +103,8 @@ class Evaluation(nn.Module):
         if self.per_class is not None:
             tp, support = self.per_class.tp.double(), (self.per_class.tp + self.per_class.fn).double()
             class_accuracy = torch.where(support > 0, tp / support.clamp_min(1), torch.full_like(tp, math.nan))
-        return EvalResult(correct / samples if samples else math.nan,
-                          float(self.loss.compute()) if samples else math.nan, correct, samples, class_accuracy)
+        loss = float(self.loss.total / self.loss.samples) if samples else math.nan  # this process's counts
+        return EvalResult(correct / samples if samples else math.nan, loss, correct, samples, class_accuracy)
 
     def reset(self) -> None:
         for metric in (self.accuracy, self.loss, self.per_class):

@@ -160,7 +160,7 @@ class FederatedCallback(L.Callback):
             directory = Path(checkpoint.dirpath) / "client_states"
         elif self.client_cache_size:
             directory = Path(trainer.default_root_dir) / "client_states"
-        pl_module.configure_client_stores(directory, self.client_cache_size)
+        pl_module.configure_client_stores(directory, self.client_cache_size, rank=trainer.global_rank)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module) -> None:
         if trainer.reload_dataloaders_every_n_epochs != 1:
@@ -242,9 +242,10 @@ class FederatedCallback(L.Callback):
         rows.sort(key=lambda r: r["client"])
         self.round_report.clients = rows
         skipped = [int(r["client"]) for r in rows if r["skipped"]]
-        if skipped and self.on_divergence == "skip_client":
-            rank_zero_info(f"non-finite upload at {self._where(trainer, pl_module)} from client(s) "
-                           f"{', '.join(map(str, skipped))}: skipped (--federation.on_divergence skip_client)")
+        if self.on_divergence == "skip_client":
+            for client in skipped:
+                rank_zero_info(f"non-finite upload at {self._where(trainer, pl_module, client)}: skipping this "
+                               f"client's upload")
         reason = None
         if diverged_at is not None:
             reason = (f"diverged: non-finite weights at {diverged_at[1]}; lower the lr or set "
@@ -356,7 +357,7 @@ class FederatedCallback(L.Callback):
                            f"diverged: the global model's test loss is {loss} (its weights are finite) at {where}; "
                            f"lower the lr or set --federation.on_divergence skip_client", completed=True)
                 return
-            self._mark(Outcome.DIVERGED, where, f"non-finite test loss ({loss}) at {where}; training continues "
+            self._mark(Outcome.DIVERGED, where, f"non-finite global test loss ({loss}) at {where}; training continues "
                                                 f"(--federation.on_divergence stop ends such runs)")
         if acc is not None and self.collapse_rounds and self._collapsed(trainer, acc):
             message = (f"failed: test accuracy has been at chance level (<= {self.chance_accuracy(trainer):.3f} + "

@@ -64,7 +64,8 @@ class RunDirectory:
         os.write(fd, str(os.getpid()).encode())
         self._lock_fd = fd
         # left by a process killed mid-write (results, checkpoint, client-state files)
-        for directory in (self.root, self.root / "checkpoints", self.root / "checkpoints" / "client_states"):
+        states = self.root / "checkpoints" / "client_states"
+        for directory in (self.root, self.root / "checkpoints", states, *sorted(states.glob("rank*"))):
             remove_stray_temporaries(directory)
 
     def unlock(self) -> None:

@@ -452,10 +452,10 @@ class FederatedMethod(L.LightningModule):
 
     # ---- client state: where the files go, checkpoints ----------------------------------------
 
-    def configure_client_stores(self, directory, cache_size: int) -> None:
-        """Where per-client state files go and how many clients stay in memory (the federated
-        callback sets this from its options before a checkpoint is loaded)."""
-        self.client_states.configure(directory, cache_size)
+    def configure_client_stores(self, directory, cache_size: int, rank: int = 0) -> None:
+        """Where per-client state files go, how many clients stay in memory and which process
+        this is (the federated callback sets this from its options before a checkpoint is loaded)."""
+        self.client_states.configure(directory, cache_size, rank)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         from fl_lightning.checkpointing import FORMAT
@@ -500,8 +500,8 @@ class SharedModelMethod(FederatedMethod):
         super().__init__(**kwargs)
         spec = self.hparams.data_spec
         self.model: FLModel = self.build_network(self.hparams.model, spec)
-        self.val_eval = Evaluation(spec.num_classes)
-        self.test_eval = Evaluation(spec.num_classes)
+        self.val_eval = Evaluation(spec.num_classes, sync=True)
+        self.test_eval = Evaluation(spec.num_classes, sync=True)
         self.global_weights: dict[str, torch.Tensor] | None = None
         self._personal: list[str] | None = None
 

@@ -28,6 +28,7 @@ MODELS: dict[str, Callable[..., FLModel]] = {
     # MobileNet v1 for 32x32 (FedBABU/FedDr+ on CIFAR-100); 1024 features.
     "mobilenet": lambda spec, **kw: CifarMobileNet(spec.in_channels, spec.num_classes, **kw),
     "mlp": lambda spec, **kw: MLP(spec.in_channels * spec.image_size**2, spec.num_classes, **kw),
+    "mlp_bn": lambda spec, **kw: MLP(spec.in_channels * spec.image_size**2, spec.num_classes, batch_norm=True, **kw),
     # FedCONST's models: no batch norm, no biases (every weight is a constrained channel matrix).
     "lenet5": lambda spec, **kw: LeNet5(spec.in_channels, spec.num_classes, spec.image_size, **kw),
     "lenet5_nobias": lambda spec, **kw: LeNet5(spec.in_channels, spec.num_classes, spec.image_size,

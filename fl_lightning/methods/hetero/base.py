@@ -133,6 +133,8 @@ class HeteroMethod(FederatedMethod):
                         _sync_module_states(model)
                     self.client_states[client] = self.prefixed("model.", model.state_dict())
                 self._architecture_modules.setdefault(architecture, model)
+            if store:
+                self.client_states.mark_synced()  # every process drew the same initial models
             self._num_clients = num_clients
             self.on_client_models_built()
 
