@@ -55,11 +55,13 @@ class ClientStateError(FLUserError):
 
 @dataclass(frozen=True)
 class FileRecord:
-    """One client's state file: its name in the store's folder, its size and checksum."""
+    """One client's state file: its name in the store's folder (or in `base`, the folder of the
+    checkpoint it was loaded from, when that is another one), its size and checksum."""
 
     name: str
     size: int
     blake2b: str
+    base: str | None = None
 
     def as_list(self) -> list:
         return [self.name, self.size, self.blake2b]
@@ -140,6 +142,8 @@ class ClientStateStore(MutableMapping):
 
     # ---- files ------------------------------------------------------------------------------
     def _path(self, record: FileRecord) -> Path:
+        if record.base is not None:
+            return Path(record.base) / record.name
         if self.directory is None:
             raise RuntimeError("the client-state store has files but no directory")
         return self.directory / record.name
@@ -214,9 +218,13 @@ class ClientStateStore(MutableMapping):
             del self._cache[client]
 
     def manifest(self) -> dict[int, FileRecord]:
-        """Writes every changed state and returns {client: file record} naming all of them."""
+        """Writes every changed state, and every state still in the folder of a checkpoint loaded
+        from elsewhere (a run resumed into another directory brings its states along), and returns
+        {client: file record} naming all of them."""
         if self.directory is None:
             return {}
+        for client in sorted(c for c, r in self._files.items() if r.base is not None):
+            self[client] = self[client]  # read (and checked) there, written here
         for client in sorted(self._dirty):
             self._write(client)
         return dict(sorted(self._files.items()))
@@ -270,9 +278,9 @@ class ClientStateStore(MutableMapping):
                 self._cache.pop(client, None)  # stale: another process trained it since
                 self._dirty.discard(client)
 
-    def load_checkpoint_state(self, saved: Mapping) -> None:
-        """Takes a checkpoint's record (`checkpoint_state`). The files are checked when read, and
-        all at once by `verify`."""
+    def load_checkpoint_state(self, saved: Mapping, base: str | Path | None = None) -> None:
+        """Takes a checkpoint's record (`checkpoint_state`) whose files are in `base` (default:
+        this store's folder). The files are checked when read, and all at once by `verify`."""
         self._cache.clear()
         self._dirty.clear()
         self._unpublished.clear()
@@ -287,7 +295,10 @@ class ClientStateStore(MutableMapping):
             raise ClientStateError("the checkpoint's client-state manifest is from an earlier fl-lightning version "
                                    "(absolute paths, no checksums); resume it with that version or start the run "
                                    "again (--overwrite true)")
-        self._files = {int(c): FileRecord(str(r[0]), int(r[1]), str(r[2])) for c, r in manifest.items()}
+        if base is not None and self.directory is not None and Path(base) == self.directory:
+            base = None
+        self._files = {int(c): FileRecord(str(r[0]), int(r[1]), str(r[2]), None if base is None else str(base))
+                       for c, r in manifest.items()}
         self._version = max(self._version, int(saved["version"]))
         self._previous_manifest = {record.name for record in self._files.values()}
 
@@ -308,6 +319,6 @@ def _owner(data: bytes) -> int | None:
 def read_client_states(saved: Mapping, directory: str | Path | None = None) -> dict[int, State]:
     """Every client's state as a checkpoint records it (`fl_client_states`: the manifest of files
     in `directory`, the checkpoint's `client_states/` folder, or the states themselves)."""
-    store = ClientStateStore(directory)
-    store.load_checkpoint_state(saved)
+    store = ClientStateStore()
+    store.load_checkpoint_state(saved, base=directory)
     return {client: store[client] for client in store}

@@ -149,15 +149,15 @@ class FederatedCallback(L.Callback):
     # ---- set-up -------------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
         # Per-client state files go next to the checkpoints (so a checkpoint only names them):
-        # beside the checkpoint being loaded, else in the run's checkpoint folder, or, for a
-        # bounded cache without checkpoints, into the run directory. Set before a checkpoint is
-        # restored (Lightning restores after `setup`).
+        # into the run's checkpoint folder, or beside the checkpoint being evaluated (validate,
+        # test), or, for a bounded cache without checkpoints, into the run directory. Set before a
+        # checkpoint is restored (Lightning restores after `setup`).
         directory = None
         checkpoint = trainer.checkpoint_callback
-        if trainer.ckpt_path:
-            directory = Path(trainer.ckpt_path).parent / "client_states"
-        elif checkpoint is not None and getattr(checkpoint, "dirpath", None):
+        if checkpoint is not None and getattr(checkpoint, "dirpath", None):
             directory = Path(checkpoint.dirpath) / "client_states"
+        elif trainer.ckpt_path:
+            directory = Path(trainer.ckpt_path).parent / "client_states"
         elif self.client_cache_size:
             directory = Path(trainer.default_root_dir) / "client_states"
         pl_module.configure_client_stores(directory, self.client_cache_size, rank=trainer.global_rank)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import lightning as L
@@ -464,7 +465,10 @@ class FederatedMethod(L.LightningModule):
         checkpoint["fl_client_states"] = self.client_states.checkpoint_state()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        self.client_states.load_checkpoint_state(checkpoint.get("fl_client_states", {"states": {}}))
+        # the files a checkpoint names are beside it, wherever this run writes its own
+        path = getattr(self._trainer, "ckpt_path", None) if self._trainer is not None else None
+        base = Path(path).parent / "client_states" if path else None
+        self.client_states.load_checkpoint_state(checkpoint.get("fl_client_states", {"states": {}}), base=base)
 
     # ---- multi-device -------------------------------------------------------------------------
     def mean_across_devices(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
