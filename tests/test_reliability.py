@@ -8,8 +8,8 @@ weights and client states bit for bit, and metrics.csv row for row."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
