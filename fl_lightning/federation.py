@@ -172,7 +172,7 @@ class FederatedCallback(L.Callback):
         if self.record.stopped:
             # a run a decision stopped (diverged, failed) is over: resuming it completes its records
             trainer.should_stop = True
-        elif self.record.outcome.final and trainer.current_epoch < trainer.max_epochs:
+        elif self.record.outcome.final and (self.record.round or 0) < trainer.max_epochs:
             # a finished run resumed with more rounds (--trainer.max_epochs raised) trains on
             self.record = OutcomeRecord(marks=dict(self.record.marks))
 
