@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+
+from fl_lightning import compat
 
 DDP_START_METHODS = {"ddp": "popen", "ddp_spawn": "spawn", "ddp_fork": "fork", "ddp_notebook": "fork"}
 
@@ -40,7 +41,7 @@ class ClientParallelStrategy(DDPStrategy):
     strategy_name = "ddp_clients"
 
     def configure_ddp(self) -> None:
-        _sync_module_states(self.model)
+        compat.sync_module_states(self.model)
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
@@ -48,7 +49,7 @@ class ClientParallelStrategy(DDPStrategy):
         # collective that would pair up the ranks' batches: here a batch is a client and ranks
         # train different numbers of clients. A signal is handled by the CLI in the process that
         # receives it (cli.py), and the launcher (Lightning's, torchrun's) stops the others.
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+        compat.skip_per_batch_sigterm_broadcast(trainer)
         # Every process logs the same round values (the round's reductions made them equal), so
         # Lightning's advice to sync epoch-level logs across devices does not apply.
         warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting.*")

@@ -44,7 +44,7 @@ import numpy as np
 import yaml
 
 from fl_lightning.atomic import atomic_write_bytes
-from fl_lightning.errors import FLUserError
+from fl_lightning.errors import FLUserError, OneLineArgumentParser
 
 SEARCH_METHODS = ("grid", "random", "bayes")
 # Option keys that make runs of one experiment differ only by their seed (`report` groups over them).
@@ -266,43 +266,27 @@ def fl_args(spec: Spec, params: dict[str, Any]) -> list[str]:
     return out
 
 
-class _Captured(BaseException):  # not an Exception: passes the CLI's own error handling untouched
-    pass
-
-
 @functools.cache
 def cli_parser():
     """The CLI's own parser (LightningCLI with every fl-lightning option), built once: building it
     takes most of a `--print_config`, and a table has hundreds of commands to check."""
-    from fl_lightning import cli
+    from fl_lightning.lightning_cli import build_parser
 
-    original = cli.FLCLI.parse_arguments
-
-    def capture(self, parser, args):
-        raise _Captured(parser)
-
-    cli.FLCLI.parse_arguments = capture
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            cli.main(["fit"])
-    except _Captured as got:
-        return got.args[0]
-    finally:
-        cli.FLCLI.parse_arguments = original
-    raise RuntimeError("the CLI did not reach argument parsing")
+    with contextlib.redirect_stderr(io.StringIO()):
+        return build_parser()
 
 
 def parse_with_cli(args: list[str]) -> dict:
     """Parse one fl-lightning command as the CLI does (the same parser, --config files and all) and
     return the resolved config of its subcommand; raises FLUserError with the CLI's own one-line
     message if it does not parse."""
-    from fl_lightning.cli import _one_line
+    from fl_lightning.lightning_cli import one_line_error
 
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             cfg = cli_parser().parse_args(list(args))
     except Exception as err:
-        reported = _one_line(err)
+        reported = one_line_error(err, list(args))
         raise FLUserError(reported[0] if reported else str(err).strip().splitlines()[0]) from None
     return cfg[cfg.subcommand].as_dict()
 
@@ -605,13 +589,8 @@ def online(spec: Spec, gpus: list[str] | None, workers: int, count: int | None, 
 # Command line
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, like the rest of the CLI
-        raise FLUserError(f"{message} (see fl-lightning sweep --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="fl-lightning sweep", description=__doc__.split("\n\n")[0])
+    p = OneLineArgumentParser(prog="fl-lightning sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("spec", help="a W&B sweep spec (configs/sweeps/*.yaml) or a paper table (configs/tables/*.yaml)")
     p.add_argument("--local", action="store_true", help="expand and run the sweep here, offline, without W&B")
     p.add_argument("--workers", type=int, default=None,

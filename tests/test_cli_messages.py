@@ -8,9 +8,10 @@ import pytest
 from jsonargparse import ArgumentParser
 
 from fl_lightning import methods
-from fl_lightning.cli import _method_names, main
+from fl_lightning.cli import main
 from fl_lightning.data.datamodule import FederatedDataModule
 from fl_lightning.federation import FederatedCallback
+from fl_lightning.lightning_cli import _method_names
 from fl_lightning.personalization import PersonalizationCallback
 
 REPO = Path(__file__).resolve().parents[1]

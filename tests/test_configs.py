@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fl_lightning.cli import run_name_from_configs
+from fl_lightning.lightning_cli import run_name_from_configs
 from fl_lightning.sweep import cli_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -136,7 +136,7 @@ DEMO = ["--config", str(CONFIGS / "settings/mnist5k.yaml"), "--config", str(CONF
 
 def sampled_clients(args: list[str], rounds: int = 3) -> tuple[int, list[list[int]]]:
     """The clients the data module the CLI builds would train in the first rounds, and its seed."""
-    from fl_lightning.cli import build_cli
+    from fl_lightning.lightning_cli import build_cli
 
     with contextlib.redirect_stderr(io.StringIO()):
         cli = build_cli([*DEMO, *TINY, "--trainer.logger", "false", *args], run=False)
@@ -158,7 +158,7 @@ def test_client_sampling_follows_seed_everything_unless_data_seed_is_given():
 
 
 def test_seed_everything_true_draws_one_seed_for_both(tmp_path):
-    from fl_lightning.cli import build_cli
+    from fl_lightning.lightning_cli import build_cli
 
     with contextlib.redirect_stderr(io.StringIO()):
         cli = build_cli([*DEMO, *TINY, "--trainer.logger", "false", "--seed_everything", "true"], run=False)

@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from fl_test_utils import fit, one_client_module, reference_sgd, toy_data
 from torch.func import functional_call
 
-from fl_lightning.analysis.command import FLTrainer
 from fl_lightning.cli import main
 from fl_lightning.methods import Ditto, FedAvg, FedSAM
+from fl_lightning.trainer import FLTrainer
 
 LR, MOM, WD = 0.1, 0.9, 1e-3
 

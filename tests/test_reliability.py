@@ -35,6 +35,11 @@ METHODS = {
     "scaffold": ["--config", str(REPO / "configs/settings/fedsol_cifar10.yaml"), "--config",
                  str(REPO / "configs/methods/fedsol/scaffold.yaml"), "--model.init_args.model", "mlp",
                  "--data.augment", "false", *TINY],
+    # server state of a server optimizer (FedAdam's m and v) and personal BatchNorm layers (FedBN)
+    "fedadam": ["--config", str(REPO / "configs/settings/mnist5k.yaml"), "--model", "FedAdam",
+                "--model.init_args.model", "mlp", *TINY],
+    "fedbn": ["--config", str(REPO / "configs/settings/mnist5k.yaml"), "--model", "FedBN",
+              "--model.init_args.model", "mlp_bn", *TINY],
     # a bounded cache: client models are evicted to files mid-round, where the kill lands
     "fedproto": ["--config", str(REPO / "configs/settings/fedorgp_cifar10_pathological.yaml"), "--config",
                  str(REPO / "configs/methods/fedorgp/fedproto.yaml"),
@@ -104,7 +109,8 @@ def straight_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("method", "where"), [("fedsol", "train"), ("scaffold", "train"), ("fedproto", "train"),
-                                               ("fedsol", "eval"), ("fedsol", "write")])
+                                               ("fedsol", "eval"), ("fedsol", "write"), ("fedadam", "train"),
+                                               ("fedbn", "write")])
 def test_sigkill_in_round_4_then_resume_equals_uninterrupted(method, where, straight_runs, tmp_path):
     root = tmp_path / "run"
     code, err = finish(start(method, root, *kill_switch(4, where)))
@@ -263,7 +269,7 @@ def test_wandb_rows_are_on_disk_when_the_run_is_finished(tmp_path, monkeypatch):
     2 of 3 small offline runs were still a 7-byte file right after finish)."""
     import wandb
 
-    from fl_lightning.cli import finish_wandb
+    from fl_lightning.lightning_cli import finish_wandb
     from fl_lightning.loggers import read_offline_history
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -279,7 +285,7 @@ def test_wandb_rows_are_on_disk_when_the_run_is_finished(tmp_path, monkeypatch):
 def test_a_damaged_wandb_file_is_an_error_not_missing_rows(tmp_path):
     import wandb
 
-    from fl_lightning.cli import finish_wandb
+    from fl_lightning.lightning_cli import finish_wandb
     from fl_lightning.loggers import IncompleteRunFile, read_offline_history
 
     run = wandb.init(project="t", dir=str(tmp_path), mode="offline")

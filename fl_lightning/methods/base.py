@@ -58,6 +58,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
+from fl_lightning import compat
 from fl_lightning.client_store import ClientStateStore
 from fl_lightning.data.datamodule import ClientWork
 from fl_lightning.data.datasets import DataSpec
@@ -202,7 +203,7 @@ class FederatedMethod(L.LightningModule):
     def on_train_start(self) -> None:
         self._direct_steps = self._steps_need_no_lightning_wrappers()
         # --trainer.gradient_clip_val / _algorithm: Lightning refuses them under manual
-        # optimization, so the CLI's Trainer (analysis/command.py:FLTrainer) keeps them for us
+        # optimization, so the CLI's Trainer (trainer.py:FLTrainer) keeps them for us
         self._gradient_clip = (float(getattr(self.trainer, "local_gradient_clip_val", 0.0) or 0.0),
                                getattr(self.trainer, "local_gradient_clip_algorithm", "norm"))
 
@@ -395,9 +396,7 @@ class FederatedMethod(L.LightningModule):
             self.after_backward()
             self.on_before_optimizer_step(opt.optimizer)
             opt.optimizer.step()
-            progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
-            progress.increment_ready()
-            progress.increment_completed()
+            compat.count_manual_optimizer_step(self.trainer)
         else:  # precision plugins (autocast, loss scaling), DDP and per-step callback hooks
             opt.zero_grad(set_to_none=True)
             self.manual_backward(loss)

@@ -39,9 +39,9 @@ import os
 from collections.abc import Iterable, Sequence
 
 import torch
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from torch import nn
 
+from fl_lightning import compat
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
 from fl_lightning.evaluation import Evaluation, eval_mode
@@ -130,7 +130,7 @@ class HeteroMethod(FederatedMethod):
                 model = build_group_model(architecture, h.data_spec, h.feature_dim)
                 if store:
                     if parallel:
-                        _sync_module_states(model)
+                        compat.sync_module_states(model)
                     self.client_states[client] = self.prefixed("model.", model.state_dict())
                 self._architecture_modules.setdefault(architecture, model)
             if store:

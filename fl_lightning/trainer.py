@@ -1,4 +1,5 @@
-"""`fl-lightning analyze`: the analyses of `--analysis.*` on a saved checkpoint.
+"""The CLI's Trainer: Lightning's, with gradient clipping under manual optimization and the
+`analyze` subcommand (the analyses of `--analysis.*` on a saved checkpoint).
 
 LightningCLI builds one subcommand per Trainer method, so `analyze` is a method of a Trainer
 subclass. The CLI has already refused a damaged checkpoint or one of another experiment
