@@ -33,11 +33,12 @@ TOOLS = ("sweep", "report")
 
 def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else list(args)
-    if not argv or argv[0] in ("-h", "--help"):
+    if not argv:
+        print("error: no subcommand given; choose one of: fit, validate, test, analyze, sweep, report "
+              "(fl-lightning --help)", file=sys.stderr)
+        sys.exit(2)
+    if argv[0] in ("-h", "--help"):
         print(HELP, end="")
-        if not argv:
-            print("error: choose a subcommand, e.g. fl-lightning fit --help", file=sys.stderr)
-            sys.exit(2)
         return
     if argv[0] in TOOLS:
         sys.exit(_run_tool(argv[0], argv[1:]))

@@ -28,7 +28,7 @@ def register_tensors(x_train, y_train, x_test=None, y_test=None, num_classes=Non
     y_test = y_train if y_test is None else y_test
     name = f"toy{next(_counter)}"
     spec = DataSpec(int(num_classes or int(y_train.max()) + 1), x_train.shape[1], x_train.shape[-1])
-    register_dataset(name, spec, lambda seed: (tensor_dataset(x_train, y_train), tensor_dataset(x_test, y_test)))
+    register_dataset(name, spec, lambda request: (tensor_dataset(x_train, y_train), tensor_dataset(x_test, y_test)))
     return name
 
 

@@ -23,7 +23,7 @@ from lightning.fabric.utilities.data import AttributeDict
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from fl_lightning.data import partition as partitioners
-from fl_lightning.data.datasets import AUGMENTED_DATASETS, DataSpec, LabelledDataset, load_dataset, spec_of
+from fl_lightning.data.datasets import DataSpec, LabelledDataset, entry_of, load_dataset, spec_of
 from fl_lightning.data.tensors import TensorImages, client_generator
 from fl_lightning.errors import FLUserError
 from fl_lightning.parallel import assign_clients, clients_in_parallel
@@ -286,7 +286,7 @@ class FederatedDataModule(L.LightningDataModule):
             h.dataset, h.root, download=h.download, seed=h.partition_seed, augment=h.augment
         )
         self._plain_train_set = self.train_set
-        if h.augment and h.dataset in AUGMENTED_DATASETS:
+        if h.augment and entry_of(h.dataset).augmented:
             self._plain_train_set, _ = load_dataset(h.dataset, h.root, download=False, seed=h.partition_seed,
                                                   augment=False)
         if h.resize is not None or h.to_rgb:
