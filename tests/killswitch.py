@@ -19,14 +19,21 @@ class KillSwitch(L.Callback):
     dies before the rename), "end" (after the last round, its checkpoint and records: the run is
     over). `round` is 1-based. `sig` is the signal's name. `rank`: fire only in the process of this
     global rank (None: every process). `then`: a second signal sent while the first one is being
-    handled (from Lightning's exception hooks)."""
+    handled (from Lightning's exception hooks). `group`: the signal goes to the whole process group
+    (a local sweep started in a session of its own, with every run it started). `armed_by`: fire
+    only when this environment variable is set (so the same command can run again unharmed)."""
 
     def __init__(self, round: int, where: str = "train", sig: str = "SIGKILL", rank: int | None = None,
-                 then: str | None = None):
+                 then: str | None = None, group: bool = False, armed_by: str | None = None):
         self.round, self.where, self.sig, self.rank = round, where, getattr(signal, sig), rank
         self.then = getattr(signal, then) if then else None
+        self.group, self.armed = group, armed_by is None or bool(os.environ.get(armed_by))
 
     def _fire(self) -> None:
+        if not self.armed:
+            return
+        if self.group:
+            os.killpg(os.getpgrp(), self.sig)
         os.kill(os.getpid(), self.sig)
 
     def _this_round(self, trainer) -> bool:

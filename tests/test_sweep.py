@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ import yaml
 from fl_test_utils import reproducible_rows
 
 from fl_lightning import sweep
+from fl_lightning.checkpointing import completed_rounds
 from fl_lightning.cli import main
 from fl_lightning.errors import FLUserError
 from fl_lightning.results import read_metrics
@@ -243,15 +243,16 @@ def test_restart_skips_finished_resumes_checkpointed_and_overwrites_the_rest(tmp
 # A real local sweep, killed and started again
 
 
-def env() -> dict:
-    e = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    e["PYTHONPATH"] = os.pathsep.join([str(REPO), e.get("PYTHONPATH", "")])
+def env(**extra) -> dict:
+    e = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+             **extra)
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), str(REPO), e.get("PYTHONPATH", "")])
     return e
 
 
-def start_sweep(spec: Path, root: Path, workers: int = 2) -> subprocess.Popen:
+def start_sweep(spec: Path, root: Path, workers: int = 2, **extra_env) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "fl_lightning.cli", "sweep", str(spec), "--local",
-                             "--workers", str(workers), "--root", str(root)], cwd=REPO, env=env(),
+                             "--workers", str(workers), "--root", str(root)], cwd=REPO, env=env(**extra_env),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -263,44 +264,38 @@ def summary(run_dir: Path) -> dict:
 
 
 def test_killed_sweep_restarts_skipping_finished_runs_and_resuming_the_others(tmp_path):
-    # The grid runs the two 1-round runs first, one on each worker; a worker starts an 8-round run
-    # only once its short run has finished. So when a short run has finished and an 8-round run
-    # has a checkpoint, that run is part-way through: it started after the short one and has
-    # rounds left, whatever the machine's load (a race between the workers' start-ups used to let
-    # the 8-round run finish before the kill).
+    # One worker runs the grid in order: the two 1-round runs, then the first 8-round run, in which
+    # the kill switch (armed only in this first start) SIGKILLs the whole sweep, every process of
+    # its session, right after that run's round-3 client trained: an exact point, whatever the
+    # machine's load. The second 8-round run has not started.
+    kill = {"class_path": "killswitch.KillSwitch",
+            "init_args": {"round": 3, "where": "train", "group": True, "armed_by": "FL_TEST_KILL_SWEEP"}}
+    command = ["${env}", "fl-lightning", "fit", *TINY, f"--trainer.callbacks+={json.dumps(kill)}", "${args}"]
     spec = write_spec(tmp_path / "tiny.yaml", {"trainer.max_epochs": {"values": [1, 8]},
-                                               "seed_everything": {"values": [0, 1]}})
+                                               "seed_everything": {"values": [0, 1]}}, command=command)
     root = tmp_path / "runs"
     sweep_dir = root / "tiny"
     names = ["max_epochs=1,seed=0", "max_epochs=1,seed=1", "max_epochs=8,seed=0", "max_epochs=8,seed=1"]
-    shorts, longs = [sweep_dir / n for n in names[:2]], [sweep_dir / n for n in names[2:]]
-    proc = start_sweep(spec, root)
-    deadline = time.time() + 600
-    long_ = None
-    while time.time() < deadline and proc.poll() is None:
-        started = [run for run in longs if (run / "checkpoints" / "last.ckpt").exists()]
-        if started and any(summary(run).get("finished") for run in shorts):
-            long_ = started[0]
-            break
-        time.sleep(0.1)
-    assert proc.poll() is None, proc.stdout.read()
-    os.killpg(proc.pid, signal.SIGKILL)  # the sweep and every run it started, without clean-up
-    proc.wait()
-    done_before = [run for run in shorts if summary(run).get("finished")]
-    assert done_before and not any(summary(run).get("finished") for run in longs)
-    first_summaries = {run: (run / "summary.json").stat().st_mtime_ns for run in done_before}
+    shorts, long_, untouched = [sweep_dir / n for n in names[:2]], sweep_dir / names[2], sweep_dir / names[3]
+    proc = start_sweep(spec, root, workers=1, FL_TEST_KILL_SWEEP="1")
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == -signal.SIGKILL, out
+    assert all(summary(run).get("finished") for run in shorts)
+    assert completed_rounds(torch.load(long_ / "checkpoints" / "last.ckpt", weights_only=False)) == 2
+    assert not summary(long_).get("finished") and not untouched.exists()
+    first_summaries = {run: (run / "summary.json").stat().st_mtime_ns for run in shorts}
 
-    again = start_sweep(spec, root)
+    again = start_sweep(spec, root, workers=1)
     out, _ = again.communicate(timeout=900)
     assert again.returncode == 0, out
-    assert f"4 runs ({len(done_before)} already done)" in out
+    assert "4 runs (2 already done)" in out
     for name in names:
         assert summary(sweep_dir / name)["finished"], name
     # The finished runs were not run again; the interrupted one resumed from its checkpoint.
     for run, mtime in first_summaries.items():
         assert (run / "summary.json").stat().st_mtime_ns == mtime
         assert f"start {run.name}" not in out
-    assert f"resume {long_.name}" in out
+    assert f"resume {long_.name}" in out and f"start {untouched.name}" in out
     record = json.loads((sweep_dir / ".sweep" / f"{long_.name}.json").read_text())
     assert record["attempts"] == 2 and "--ckpt_path=last" in record["command"]
 

@@ -335,9 +335,6 @@ class FederatedDataModule(L.LightningDataModule):
     def num_clients(self) -> int:
         return self.hparams.num_clients
 
-    def client_num_samples(self, client: int) -> int:
-        return len(self.client_parts[client])
-
     def plan_round(self, round_idx: int) -> RoundPlan:
         h = self.hparams
         work = tuple(
