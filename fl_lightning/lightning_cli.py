@@ -14,7 +14,8 @@ command itself, with `sweep` and `report`, is cli.py).
 - Configs compose: `--config configs/settings/<setting>.yaml --config configs/methods/<paper>/<method>.yaml`
   (configs/README.md). `trainer.default_root_dir` and the W&B logger's `name`, where the config
   leaves them unset, come from the --config files: `runs/<setting>/<method>` and
-  `<setting>/<method>` (`rundir.run_name_from_configs`). `data.seed: null` (client sampling and
+  `<setting>/<method>` (config_files.py, which also expands one-file entries and refuses a wrong
+  layering). `data.seed: null` (client sampling and
   local shuffling) follows `seed_everything`, so a seed sweep varies what the papers' reference
   code varies between runs; the partition stays fixed by `data.partition_seed`.
 - One fit per run directory (fl_lightning/rundir.py): a second fit into a used directory is
@@ -52,6 +53,7 @@ from fl_lightning.checkpointing import (
     load_checkpoint_file,
     verify_client_state_files,
 )
+from fl_lightning.config_files import layered_config_args, run_name_from_configs
 from fl_lightning.data.datamodule import FederatedDataModule, clients_per_round
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import FederatedCallback, federation_of
@@ -69,7 +71,7 @@ from fl_lightning.parallel import check_process_count, client_strategy_name, los
 from fl_lightning.personalization import PersonalizationCallback
 from fl_lightning.progress import RoundProgressBar
 from fl_lightning.results import ResultsCallback
-from fl_lightning.rundir import RunDirectory, is_first_process, run_name_from_configs
+from fl_lightning.rundir import RunDirectory, is_first_process
 from fl_lightning.trainer import FLTrainer
 
 
@@ -161,6 +163,10 @@ class FLCLI(LightningCLI):
             trainer["strategy"] = client_strategy_name(strategy) or strategy
             if trainer["strategy"].endswith("_clients"):
                 self._check_client_parallelism(cfg)
+        elif isinstance(strategy, str) and client_strategy_name(strategy) and _heterogeneous(cfg):
+            # checked here, once, rather than by every launched process (HeteroMethod.setup)
+            raise FLUserError("model-heterogeneous methods split over processes by client, not by batch: "
+                              "set --federation.parallel clients (or --trainer.devices 1)")
         overwrite = bool(cfg.get("overwrite"))
         cfg["overwrite"] = False  # not saved into config.yaml: re-running that file must not wipe this run
         if self.subcommand == "fit" and is_first_process():
@@ -274,7 +280,9 @@ def name_run_from_configs(cfg) -> None:
     """Fill `trainer.default_root_dir` (runs/<name>) and the W&B logger's `name` from the --config
     files, each only if the config leaves it unset: a setting and a method file compose into a run
     of their own, while an explicit name or directory (a sweep's, a saved config.yaml's) wins."""
-    name = run_name_from_configs(cfg.get("config"))
+    model = cfg.get("model")
+    method = str(getattr(model, "class_path", "") or "").rpartition(".")[2] or None
+    name = run_name_from_configs(cfg.get("config"), method)
     if name is None:
         return
     trainer = cfg["trainer"]
@@ -283,6 +291,17 @@ def name_run_from_configs(cfg) -> None:
     init = getattr(trainer.get("logger"), "init_args", None)
     if init is not None and "name" in init and not init.name:
         init.name = name
+
+
+def _heterogeneous(cfg) -> bool:
+    """The configured method gives each client its own model (HeteroMethod)."""
+    from fl_lightning.methods.hetero.base import HeteroMethod
+
+    path = getattr(cfg.get("model"), "class_path", None)
+    try:
+        return bool(path) and issubclass(compat.import_object(path), HeteroMethod)
+    except (ImportError, AttributeError, TypeError):
+        return False
 
 
 def follow_seed_everything(cfg) -> None:
@@ -475,6 +494,7 @@ def main(args: list[str] | None = None) -> None:
     FLCLI.active = None
     first = is_first_process()  # rank 0 says what happened; the other ranks exit with the same code
     try:
+        args = layered_config_args(sys.argv[1:] if args is None else list(args))
         cli = build_cli(args)
         code, line = cli.exit_code(), cli.stop_line()
     except FLInterrupted as err:

@@ -14,7 +14,7 @@ from typing import Any
 from lightning.pytorch.loggers import WandbLogger
 
 from fl_lightning import compat
-from fl_lightning.rundir import run_name_from_configs
+from fl_lightning.config_files import run_name_from_configs
 
 
 def wandb_logged_in() -> bool:
@@ -90,7 +90,7 @@ def describe_wandb_run(loggers, config) -> None:
     model = resolved.get("model") or {}
     method = str(model.get("class_path", "")).rpartition(".")[2] if isinstance(model, Mapping) else ""
     data = resolved.get("data") or {}
-    group = run_name_from_configs(files)
+    group = run_name_from_configs(files, method)
     tags = [t for t in (method, data.get("dataset"), data.get("partition")) if t]
     for logger in targets:
         logger.describe_run({"method": method, **resolved}, group, [str(t) for t in tags])

@@ -40,7 +40,7 @@ MALFORMED = [
     (["CONFIG", "tabs.yaml"], ["tabs.yaml is not valid YAML", "line 2"]),
     (["CONFIG", "unknown_section.yaml"], ["unknown option 'traner.max_epochs'", "did you mean 'trainer.max_epochs'"]),
     (["CONFIG", "typo_data.yaml"], ["unknown option 'data.datset'", "did you mean 'data.dataset'"]),
-    (["CONFIG", "missing.yaml"], ["missing.yaml does not exist"]),
+    (["CONFIG", "missing.yaml"], ["missing.yaml: no such file"]),
     # unknown options and subcommands
     (["--data.datset", "digits"], ["--data.datset", "did you mean 'data.dataset'"]),
     (["--trainer.max_epochz", "3"], ["--trainer.max_epochz", "did you mean 'trainer.max_epochs'"]),
@@ -99,6 +99,12 @@ MALFORMED = [
     (["--data.resize", "0"], ["resize must be a positive image size"]),
     (["--federation.local_eval_samples", "-1"], ["federation.local_eval_samples must be >= 0"]),
     (["--federation.collapse_rounds", "-1"], ["federation.collapse_rounds must be >= 0"]),
+    # seeds numpy would refuse deep inside, and a model whose layers cannot take the data's images
+    (["--data.seed", "-1"], ["data.seed must be in 0 .. 2^32 - 1"]),
+    (["--data.partition_seed", "-3"], ["data.partition_seed must be in 0 .. 2^32 - 1"]),
+    (["--model.init_args.model", "cnn4"], ["model cnn4 cannot take 1x8x8 images", "models that can: fedavg_cnn"]),
+    (["--model", "FedProto", "--model.init_args.model", "mlp,cnn4", "--data.client_test_fraction", "0.25"],
+     ["model cnn4 cannot take 1x8x8 images"]),
 ]
 
 

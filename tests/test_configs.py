@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fl_lightning.lightning_cli import run_name_from_configs
+from fl_lightning.config_files import run_name_from_configs
 from fl_lightning.sweep import cli_parser
 
 REPO = Path(__file__).resolve().parents[1]
@@ -278,3 +278,70 @@ def test_composed_run_is_named_after_its_files_and_resumes_there(tmp_path, monke
     summary = yaml.safe_load((run / "summary.json").read_text())
     assert summary["rounds_completed"] == 2 and summary["finished"]
     assert not (tmp_path / "runs" / "default").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# One-file entries and layering mistakes
+
+ENTRIES = {"fedsol_cifar10": ("settings/fedsol_cifar10.yaml", "methods/fedsol/fedsol.yaml"),
+           "fedconst_cifar10": ("settings/fedconst_crossdevice_cifar10.yaml", "methods/fedconst/fedavg.yaml",
+                                "methods/fedconst/const.yaml"),
+           "feddr_plus_cifar100": ("settings/feddr_cifar100.yaml", "methods/feddr_cifar100/feddr_plus.yaml"),
+           "fedorgp_cifar10": ("settings/fedorgp_cifar10_pathological.yaml", "methods/fedorgp/fedorgp.yaml")}
+
+
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_a_papers_one_file_entry_is_its_setting_and_method_layered(entry):
+    from fl_lightning.config_files import layered_config_args
+
+    args = layered_config_args(["--config", str(CONFIGS / f"{entry}.yaml")])
+    files = args[1::2]
+    assert [Path(f).resolve() for f in files] == [(CONFIGS / f).resolve() for f in ENTRIES[entry]]
+    assert print_config(args) == print_config([a for f in ENTRIES[entry] for a in ("--config", str(CONFIGS / f))])
+    setting, method = Path(ENTRIES[entry][0]).stem, "+".join(Path(f).stem for f in ENTRIES[entry][1:])
+    assert run_name_from_configs(files) == f"{setting}/{method}"
+
+
+def test_the_missions_command_runs_and_resumes_through_an_entry_file(tmp_path, monkeypatch):
+    """`fit --config <entry>` (here an entry for the offline MNIST-5k demo) trains, is named after
+    the files it layers, and resumes with the same command and --ckpt_path last."""
+    from fl_lightning.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    entry = tmp_path / "demo_entry.yaml"
+    entry.write_text(yaml.safe_dump({"layer": [str(CONFIGS / "settings/mnist5k.yaml"),
+                                               str(CONFIGS / "methods/fedsol/fedavg.yaml")]}))
+    args = ["fit", "--config", str(entry), *TINY, "--trainer.logger", "false"]
+    main([*args, "--trainer.max_epochs", "1"])
+    run = tmp_path / "runs" / "mnist5k" / "fedavg"
+    assert yaml.safe_load((run / "summary.json").read_text())["rounds_completed"] == 1
+    main([*args, "--trainer.max_epochs", "2", "--ckpt_path", "last"])
+    assert yaml.safe_load((run / "summary.json").read_text())["rounds_completed"] == 2
+
+
+def test_a_setting_alone_is_named_after_its_baseline_method(tmp_path):
+    from fl_lightning.lightning_cli import build_cli
+
+    with contextlib.redirect_stderr(io.StringIO()):
+        cli = build_cli(["--config", str(CONFIGS / "settings/mnist5k.yaml"), *TINY, "--trainer.logger", "false"],
+                        run=False)
+    assert cli.config["trainer"]["default_root_dir"] == "runs/mnist5k/fedavg"  # not runs/mnist5k
+
+
+@pytest.mark.parametrize("files,message", [
+    (["methods/fedsol/fedsol.yaml", "methods/fedsol/scaffold.yaml"],
+     r"two method files choose the method: .*fedsol\.yaml \(FedSOL\), .*scaffold\.yaml \(SCAFFOLD\); a run has one"),
+    (["settings/mnist5k.yaml", "methods/fedsol/fedsol.yaml", "methods/fedsol/scaffold.yaml"],
+     r"two method files choose the method"),
+    (["methods/fedsol/fedsol.yaml", "settings/mnist5k.yaml"],
+     r"--config .*fedsol\.yaml \(a method file\) comes before the setting .*mnist5k\.yaml, which would override it"),
+    (["fedsol_cifar100.yaml"], r"--config .*fedsol_cifar100\.yaml: no such file$"),
+    (["mnist5k.yaml"], r"--config .*mnist5k\.yaml: no such file; did you mean .*configs/settings/mnist5k\.yaml\?"),
+])
+def test_a_wrong_layering_or_a_missing_file_is_one_line(files, message, capsys):
+    from fl_lightning.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", *[a for f in files for a in ("--config", str(CONFIGS / f) if "/" in f else f)], *TINY])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2 and len(err) == 1 and re.match(rf"error: {message}", err[0]), err

@@ -125,6 +125,11 @@ def test_clients_are_balanced_by_local_steps_and_every_rank_gets_one():
     (["--model", "FedAvg", "--data.sample_ratio", "0.1"],
      "error: --federation.parallel clients: 2 processes but only 1 clients per round; use at most 1 processes "
      "(--trainer.devices x --trainer.num_nodes) or sample more clients (--data.sample_ratio)"),
+    # once, not once per process: refused before any process is launched
+    (["--model", "FedProto", "--model.init_args.feature_dim", "8", "--data.client_test_fraction", "0.25",
+      "--federation.parallel", "batch"],
+     "error: model-heterogeneous methods split over processes by client, not by batch: set "
+     "--federation.parallel clients (or --trainer.devices 1)"),
 ])
 def test_impossible_client_parallelism_is_one_line_and_exit_2_before_any_launch(tmp_path, extra, message):
     from parallel_runs import TINY
@@ -134,5 +139,5 @@ def test_impossible_client_parallelism_is_one_line_and_exit_2_before_any_launch(
                            "--trainer.devices", "2", "--trainer.default_root_dir", str(tmp_path / "run")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1] == message
+    assert [line for line in proc.stderr.splitlines() if line.startswith("error:")] == [message]
     assert "Initializing distributed" not in proc.stderr  # refused before any process was launched

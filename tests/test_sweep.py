@@ -5,6 +5,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from fl_lightning import sweep
 from fl_lightning.checkpointing import completed_rounds
 from fl_lightning.cli import main
 from fl_lightning.errors import FLUserError
+from fl_lightning.outcome import EXIT_STOPPED
 from fl_lightning.results import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -225,7 +227,7 @@ def test_restart_skips_finished_resumes_checkpointed_and_overwrites_the_rest(tmp
     (d / "seed=2").mkdir()
     (d / "seed=2" / "config.yaml").write_text("{}")  # killed before its first round: no checkpoint
     (d / ".sweep").mkdir()
-    (d / ".sweep" / "seed=3.json").write_text(json.dumps({"exit_code": sweep.EXIT_DIVERGED}))  # diverged: final
+    (d / ".sweep" / "seed=3.json").write_text(json.dumps({"exit_code": EXIT_STOPPED}))  # diverged: final
     (d / "seed=3").mkdir()
     (d / "seed=3" / "summary.json").write_text(json.dumps({"finished": False, "diverged": True}))
     states = [local.command(r)[1] for r in runs]
@@ -335,3 +337,33 @@ def test_a_failing_run_is_recorded_and_the_others_finish(tmp_path):
     assert "FAILED num_clients=5000,max_epochs=1 (exit 2): error: " in out
     code, table, _ = run_cli(["report", str(sweep_dir)])
     assert code == 0 and f"num_clients=5000,max_epochs=1: crashed: {record['error']}" in table
+
+
+@pytest.mark.parametrize("parameter,extra,message", [
+    ({"values": [1, 2]}, {"run_cap": "many"}, r"run_cap must be a whole number of runs >= 1, got 'many'"),
+    ({"values": [1, 2], "probabilities": [0.5, 0.6]}, {}, r"`probabilities` must sum to 1, they sum to 1.1"),
+    ({"values": [1, 2], "probabilities": [1.0]}, {}, r"`probabilities` must be 2 numbers >= 0, one per value"),
+    ({"distribution": "log_uniform_values", "min": -1.0, "max": 1.0}, {},
+     r"log_uniform_values draws the logarithm of its values: min must be > 0, got -1.0"),
+    ({"distribution": "int_uniform", "min": 5, "max": 2}, {}, r"min \(5\) is greater than max \(2\)"),
+    ({"distribution": "q_uniform", "min": 0.0, "max": 1.0, "q": 0}, {}, r"q must be a number > 0"),
+    ({"distribution": "q_uniform", "min": 0.0, "max": 1.0, "q": -0.5}, {}, r"q must be a number > 0"),
+    ({"distribution": "uniform", "min": "a", "max": 1.0}, {}, r"uniform needs numbers min and max"),
+    ({"distribution": "int_uniform", "min": 0.5, "max": 3}, {}, r"int_uniform needs integers min and max"),
+    ({"distribution": "normal", "mu": 0.0, "sigma": -1.0}, {}, r"normal needs a number mu and a number sigma > 0"),
+    ({"distribution": "beta"}, {}, r"distribution 'beta' is not supported by --local"),
+])
+def test_a_malformed_random_spec_is_one_line(tmp_path, parameter, extra, message):
+    path = write_spec(tmp_path / "r.yaml", {"model.init_args.lr": parameter}, method="random",
+                      **({"run_cap": 3} | extra))
+    code, _, err = run_cli(["sweep", str(path), "--local", "--dry-run", "--root", str(tmp_path / "runs")])
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert re.search(rf"error: .*{message}", err), err
+
+
+@pytest.mark.parametrize("count", ["-1", "0"])
+def test_a_count_below_one_is_refused_not_a_shorter_grid(tmp_path, count):
+    path = write_spec(tmp_path / "g.yaml", {"seed_everything": {"values": [0, 1, 2]}})
+    code, _, err = run_cli(["sweep", str(path), "--local", "--dry-run", "--count", count,
+                            "--root", str(tmp_path / "runs")])
+    assert code == 2 and err.strip() == f"error: --count {count}: the number of runs must be at least 1", err

@@ -262,6 +262,9 @@ class FederatedDataModule(L.LightningDataModule):
                               f"set client_test_fraction 0 (or use client_test 'split')")
         if seed is None:  # constructed outside the CLI (which fills in seed_everything)
             seed = 0
+        for name, value in (("seed", seed), ("partition_seed", partition_seed)):
+            if not 0 <= value < 2**32:  # numpy's and torch's generators take seeds in [0, 2^32)
+                raise FLUserError(f"data.{name} must be in 0 .. 2^32 - 1 (a generator seed), got {value}")
         self.save_hyperparameters()
         self.train_set = self.test_set = None
         self._plain_train_set = None
