@@ -217,7 +217,7 @@ def test_a_disk_that_refuses_writes_ends_in_one_line(tmp_path, error, at):
 
 
 # ---- damaged client-state files ------------------------------------------------------------------
-SCAFFOLD = ["--config", str(M / "fedsol" / "scaffold.yaml"), "--data.sample_ratio", "0.5"]
+SCAFFOLD = ["--model", "SCAFFOLD", "--data.sample_ratio", "0.5"]  # the setting's FedAvg swapped for SCAFFOLD
 
 
 @pytest.fixture(scope="module")
