@@ -76,7 +76,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
     sets = (tensor_dataset(x, y), tensor_dataset(x[:50], y[:50]))
-    register_dataset("bench_mnist_shapes", spec, lambda seed: sets)
+    register_dataset("bench_mnist_shapes", spec, lambda request: sets)
 
     times: dict[str, list[float]] = {m: [] for m in METHODS}
     for _ in range(args.passes):

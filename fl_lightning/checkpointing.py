@@ -8,8 +8,12 @@
   and renames it over the old one, so a process killed at any moment leaves either the previous
   round's file or the new one, never a truncated one. (Lightning's own `_atomic_save` stages the
   file in TMPDIR and moves it: across filesystems that is a copy, which a kill can cut short.)
-- `check_checkpoint` reads a checkpoint given as `--ckpt_path` before Lightning does, and turns an
-  unreadable or foreign file into one line.
+- `load_checkpoint_file`, `check_compatible` and `verify_client_state_files` read a checkpoint
+  given as `--ckpt_path` before Lightning does, and turn an unreadable, foreign or older file, or a
+  damaged client-state file it names, into one line.
+- A run that a decision stopped in the middle of a round (divergence before the server step) has
+  no new round to save: `RoundCheckpoint` records the outcome in the last completed round's file
+  instead (`stamp_callback_state`), so a resume knows the run is over.
 """
 
 from __future__ import annotations
@@ -28,10 +32,12 @@ from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_info
 
 from fl_lightning.atomic import atomic_write_bytes
+from fl_lightning.client_store import ClientStateStore
 from fl_lightning.errors import FLUserError
 
 log = logging.getLogger(__name__)
 LAST = "last.ckpt"
+FORMAT = 3  # checkpoint["fl_format"]: 3 = server state in the state_dict, checked client-state files
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -95,6 +101,15 @@ class RoundCheckpoint(Checkpoint):
         self.mid_round = True
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module) -> None:
+        from fl_lightning.federation import federation_of
+
+        federation = federation_of(trainer)
+        if federation is not None and not federation.round_report.completed:
+            # stopped before its server step: the last completed round's file learns the outcome
+            if trainer.is_global_zero and self.last_path.exists():
+                stamp_callback_state(self.last_path, federation.state_key, federation.state_dict())
+            self.mid_round = False
+            return
         # A resumed run replays the end-of-epoch hooks of the round it restored: saved already.
         if not trainer.sanity_checking and self._saved_epoch != trainer.current_epoch:
             self.saving = True
@@ -114,6 +129,15 @@ class RoundCheckpoint(Checkpoint):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._saved_epoch = int(state_dict.get("saved_epoch", -1))
+
+
+def stamp_callback_state(path: Path, state_key: str, state: dict) -> None:
+    """Rewrites the checkpoint at `path` (atomically) with a callback's new state, nothing else."""
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    checkpoint.setdefault("callbacks", {})[state_key] = state
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    atomic_write_bytes(path, buffer.getvalue())
 
 
 def completed_rounds(state: Mapping[str, Any]) -> int:
@@ -149,7 +173,22 @@ def load_checkpoint_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(state, Mapping) or "state_dict" not in state or "hyper_parameters" not in state:
         raise FLUserError(f"--ckpt_path {path}: a PyTorch file, but not a Lightning checkpoint of an fl-lightning "
                           f"run (no state_dict/hyper_parameters)")
+    if state.get("fl_format") != FORMAT:
+        raise FLUserError(f"--ckpt_path {path}: written by an earlier fl-lightning (checkpoint format "
+                          f"{state.get('fl_format', 'before 3')}, this version reads {FORMAT}); resume it with the "
+                          f"version that wrote it, or start the run again")
     return dict(state)
+
+
+def verify_client_state_files(path: str | Path, state: Mapping[str, Any]) -> None:
+    """Every client-state file the checkpoint names is there, whole and the right client's (one
+    line, exit 2, otherwise): checked before a run resumes, not rounds later when it is read."""
+    saved = state.get("fl_client_states")
+    if not saved:
+        return
+    store = ClientStateStore(Path(path).parent / "client_states")
+    store.load_checkpoint_state(saved)
+    store.verify()
 
 
 def _plain(value: Any) -> Any:

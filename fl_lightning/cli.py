@@ -1,387 +1,66 @@
-"""`fl-lightning`: LightningCLI with the federated pieces wired in.
+"""`fl-lightning`: the command.
 
-- `--model` takes any method class (`FedSOL`, `FedAvg`, ...; see fl_lightning.methods) and the
-  data module's DataSpec (classes, channels, image size) is linked into it.
-- The federated callback is always present and configurable as `--federation.*`; personalised
-  evaluation (fine-tune per client, local-only baseline) as `--personalization.*` (off by default);
-  analyses (divergence every round; Hessian spectrum and loss surface every n rounds, off by
-  default) as `--analysis.*`, and on a saved checkpoint with `fl-lightning analyze`.
-- Every completed round is checkpointed, atomically, to
-  `<trainer.default_root_dir>/checkpoints/last.ckpt` (fl_lightning/checkpointing.py), so
-  `--ckpt_path last` resumes the run configured in the same directory; a checkpoint of another
-  experiment, or a damaged file, is refused before anything loads it.
-- Configs compose: `--config configs/settings/<setting>.yaml --config configs/methods/<paper>/<method>.yaml`
-  (configs/README.md). `trainer.default_root_dir` and the W&B logger's `name`, where the config
-  leaves them unset, come from the --config files: `runs/<setting>/<method>` and
-  `<setting>/<method>` (`rundir.run_name_from_configs`). `data.seed: null` (client sampling and
-  local shuffling) follows `seed_everything`, so a seed sweep varies what the papers' reference
-  code varies between runs; the partition stays fixed by `data.partition_seed`.
-- One fit per run directory (fl_lightning/rundir.py): a second fit into a used directory is
-  refused unless it resumes (`--ckpt_path last`) or overwrites (`--overwrite true`).
-- SIGTERM (a preempted job) and Ctrl-C abandon the current round and exit with 128 + the signal's
-  number and one line saying how to resume; the last completed round's checkpoint is kept.
-- User errors (unknown names, impossible partitions, missing files) print one line, exit 2.
+    fl-lightning fit|validate|test|analyze ...   a run (LightningCLI, fl_lightning/lightning_cli.py)
+    fl-lightning sweep <spec> ...                 many runs (fl_lightning/sweep.py)
+    fl-lightning report <dir> ...                 the table of the runs below a directory (fl_lightning/report.py)
+
+This module only dispatches, so `fl-lightning --help` and `report` start without importing
+Lightning (which takes seconds). Every subcommand reports a bad request in one `error:` line.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
-from pathlib import Path
 
-from lightning.pytorch.callbacks import Checkpoint, ProgressBar
-from lightning.pytorch.cli import LightningCLI
+HELP = """usage: fl-lightning {fit,validate,test,analyze,sweep,report} ...
 
-from fl_lightning import report, sweep
-from fl_lightning.analysis.callback import AnalysisCallback
-from fl_lightning.analysis.command import FLTrainer
-from fl_lightning.checkpointing import LAST, AtomicCheckpointIO, RoundCheckpoint, check_compatible, load_checkpoint_file
-from fl_lightning.data.datamodule import FederatedDataModule, clients_per_round
-from fl_lightning.errors import FLUserError
-from fl_lightning.federation import FederatedCallback, FLDivergedError
-from fl_lightning.loggers import describe_wandb_run
-from fl_lightning.methods import FederatedMethod
-from fl_lightning.parallel import check_method, check_process_count, client_strategy_name
-from fl_lightning.personalization import PersonalizationCallback
-from fl_lightning.progress import RoundProgressBar
-from fl_lightning.results import ResultsCallback
-from fl_lightning.rundir import RunDirectory, is_first_process, run_name_from_configs
+Federated-learning research methods (FedSOL, FedCONST, FedDr+, FedORGP and their baselines) on
+PyTorch Lightning.
 
+subcommands:
+  fit        train a run: fl-lightning fit --config configs/fedsol_cifar10.yaml
+  validate   evaluate a run's checkpoint on the global test set
+  test       the same, as Lightning's test loop
+  analyze    Hessian spectrum and loss surface of a checkpoint (--analysis.*)
+  sweep      run a W&B sweep spec or a paper table's grid (online, or --local)
+  report     the table (and curves) of the runs below a directory
 
-class FLInterrupted(BaseException):
-    """SIGTERM or SIGINT: the current round is abandoned (a BaseException, like KeyboardInterrupt,
-    so no `except Exception` on the way swallows it)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-def _raise_interrupted(signum, frame) -> None:
-    raise FLInterrupted(signum)
-
-
-class FLCLI(LightningCLI):
-    active: FLCLI | None = None  # the CLI of the current main() call, for the interrupted message
-    run_dir: RunDirectory | None = None
-    round_checkpoint: RoundCheckpoint | None = None
-
-    def __init__(self, *args, **kwargs):
-        FLCLI.active = self
-        super().__init__(*args, **kwargs)
-
-    @staticmethod
-    def subcommands() -> dict[str, set[str]]:
-        """fit, validate, test and analyze (FLTrainer.analyze: the --analysis.* analyses of a
-        checkpoint); Lightning's `predict` is left out, no method has a predict step."""
-        kept = {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
-        return {**kept, "analyze": {"model", "datamodule"}}
-
-    def add_arguments_to_parser(self, parser) -> None:
-        parser.add_lightning_class_args(FederatedCallback, "federation")
-        parser.add_lightning_class_args(PersonalizationCallback, "personalization")
-        parser.add_lightning_class_args(AnalysisCallback, "analysis")
-        parser.link_arguments("data.spec", "model.init_args.data_spec", apply_on="instantiate")
-        parser.add_argument("--overwrite", type=bool, default=False,
-                            help="fit: replace the run already in trainer.default_root_dir (its config, checkpoints "
-                                 "and results) instead of refusing to start")
-
-    def _subcommand_config(self):
-        return self.config.get(self.config.subcommand, self.config) if self.config.get("subcommand") else self.config
-
-    def parse_arguments(self, parser, args) -> None:
-        """The parsed config, completed before anything reads it (`--ckpt_path last` looks in the
-        run directory, the checkpoint check compares data.seed): the run's name and directory from
-        its --config files, and data.seed from seed_everything, each only where the user left it
-        unset. (`--print_config` prints the config as given, before this.)"""
-        super().parse_arguments(parser, args)
-        cfg = self._subcommand_config()
-        name_run_from_configs(cfg)
-        follow_seed_everything(cfg)
-
-    def _parse_ckpt_path(self) -> None:
-        """Lightning's version loads the file and replaces the requested hyperparameters with the
-        checkpoint's. Here the file is checked first (one line for a damaged or foreign file), and
-        a checkpoint must match the requested experiment instead of overriding it."""
-        cfg = self._subcommand_config()
-        ckpt = cfg.get("ckpt_path")
-        if not ckpt:
-            return
-        root = Path(cfg["trainer"].get("default_root_dir") or "runs/default")
-        if ckpt == "last":
-            last = root / "checkpoints" / LAST
-            if not last.exists():
-                raise FLUserError(f"--ckpt_path last: no checkpoint at {last}; run fit with the same "
-                                  f"trainer.default_root_dir first")
-            ckpt = cfg["ckpt_path"] = str(last)
-        elif not Path(ckpt).exists():
-            raise FLUserError(f"--ckpt_path {ckpt}: no such file")
-        state = load_checkpoint_file(ckpt)
-        check_compatible(ckpt, state, cfg["model"], cfg["data"])
-
-    def before_instantiate_classes(self) -> None:
-        cfg = self._subcommand_config()
-        follow_seed_everything(cfg)  # seed_everything: true has been drawn by now (LightningCLI._set_seed)
-        trainer = cfg["trainer"]
-        if trainer.get("reload_dataloaders_every_n_epochs") != 1:
-            raise FLUserError("trainer.reload_dataloaders_every_n_epochs must be 1: every round samples new clients")
-        root = trainer.get("default_root_dir") or "runs/default"
-        trainer["default_root_dir"] = root
-        self._run_root = Path(root)
-        self._checkpoint_dir = Path(root) / "checkpoints"
-        logger = trainer.get("logger")
-        init = getattr(logger, "init_args", None)
-        if init is not None and "save_dir" in init and init.save_dir is None:
-            init.save_dir = root
-        strategy = trainer.get("strategy")
-        federation = cfg.get("federation") or {}
-        if isinstance(strategy, str) and federation.get("parallel", "clients") == "clients":
-            # DDP processes train different clients (parallel.py): Lightning's DDP minus the wrapper
-            trainer["strategy"] = client_strategy_name(strategy) or strategy
-            if trainer["strategy"].endswith("_clients"):
-                self._check_client_parallelism(cfg)
-        overwrite = bool(cfg.get("overwrite"))
-        cfg["overwrite"] = False  # not saved into config.yaml: re-running that file must not wipe this run
-        if self.subcommand == "fit" and is_first_process():
-            self.run_dir = RunDirectory(root)
-            self.run_dir.prepare_fit(resuming=bool(cfg.get("ckpt_path")), overwrite=overwrite)
-
-    @staticmethod
-    def _check_client_parallelism(cfg) -> None:
-        """The federated callback checks again in every process; this fails before any launch
-        where the configuration alone tells (FederatedCallback._check_parallel)."""
-        from jsonargparse._util import import_object
-
-        model = cfg.get("model")
-        method = import_object(model.class_path) if getattr(model, "class_path", None) else None
-        if method is not None:
-            check_method(method)
-        trainer, data = cfg["trainer"], cfg["data"]
-        devices, nodes = trainer.get("devices"), trainer.get("num_nodes") or 1
-        if isinstance(devices, str) and devices.isdigit():
-            devices = int(devices)
-        if not isinstance(devices, int) or devices < 1:
-            return  # "auto", a list of ids: the callback checks once the processes exist
-        check_process_count(devices * nodes, clients_per_round(data["num_clients"], data["sample_ratio"]))
-
-    def before_fit(self) -> None:
-        # Load and partition the data before the run starts, so a missing file or an impossible
-        # partition fails in seconds, before a logger run is created.
-        self.datamodule.setup("fit")
-        describe_wandb_run(self.trainer.loggers, self.config.get(self.subcommand, self.config))
-
-    before_validate = before_test = before_analyze = before_fit
-
-    def after_fit(self) -> None:
-        finish_wandb(exit_code=0)
-
-    after_validate = after_test = after_analyze = after_fit
-
-    def _instantiate_trainer(self, config: dict, callbacks: list):
-        # Added next to (not instead of) the user's trainer.callbacks, and only where the user has
-        # neither their own nor switched the feature off.
-        given = [*(config.get("callbacks") or []), *callbacks]
-        if config.get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in given):
-            callbacks.append(RoundProgressBar())
-        if config.get("enable_checkpointing") is not False and not any(isinstance(c, Checkpoint) for c in given):
-            # One checkpoint per round, overwritten, so a stopped run resumes at its last round.
-            self.round_checkpoint = RoundCheckpoint(self._checkpoint_dir)
-            callbacks.append(self.round_checkpoint)
-        callbacks.append(ResultsCallback(self._run_root))
-        trainer = super()._instantiate_trainer(config, callbacks)
-        trainer.strategy.checkpoint_io = AtomicCheckpointIO(self.round_checkpoint)
-        return trainer
-
-
-TRAINER_DEFAULTS = {
-    "reload_dataloaders_every_n_epochs": 1,  # one epoch = one round with its own clients
-    "num_sanity_val_steps": 0,
-    "use_distributed_sampler": False,  # the round sampler shards batches across ranks itself
-    "logger": {"class_path": "fl_lightning.loggers.FLWandbLogger"},
-    "log_every_n_steps": 1,
-}
-
-
-def name_run_from_configs(cfg) -> None:
-    """Fill `trainer.default_root_dir` (runs/<name>) and the W&B logger's `name` from the --config
-    files, each only if the config leaves it unset: a setting and a method file compose into a run
-    of their own, while an explicit name or directory (a sweep's, a saved config.yaml's) wins."""
-    name = run_name_from_configs(cfg.get("config"))
-    if name is None:
-        return
-    trainer = cfg["trainer"]
-    if not trainer.get("default_root_dir"):
-        trainer["default_root_dir"] = f"runs/{name}"
-    init = getattr(trainer.get("logger"), "init_args", None)
-    if init is not None and "name" in init and not init.name:
-        init.name = name
-
-
-def follow_seed_everything(cfg) -> None:
-    """`data.seed: null` (client sampling and local shuffling) takes the run's seed_everything, so
-    runs that differ by seed sample different clients, as in FL-bench; the partition stays
-    `data.partition_seed`'s. With seed_everything false (no seeding) it is 0, the data module's
-    default."""
-    data = cfg.get("data")
-    if data is None or data.get("seed") is not None:
-        return
-    seed = cfg.get("seed_everything")
-    if seed is True:  # drawn later by LightningCLI._set_seed; before_instantiate_classes comes back
-        return
-    data["seed"] = 0 if seed is False or seed is None else int(seed)
-
-
-def finish_wandb(exit_code: int) -> None:
-    """Close the W&B run so its summary and history are complete on disk (offline runs are then
-    ready for `wandb sync`); a diverged or failed run is closed with a non-zero exit code."""
-    wandb = sys.modules.get("wandb")
-    if wandb is not None and wandb.run is not None:
-        wandb.finish(exit_code=exit_code)
-        # finish() can return before W&B's core process has written the run's last block (a
-        # small offline run's file is then just its header); teardown waits for it, so the
-        # run's files are complete when the command returns (for `wandb sync`, sweeps, tests).
-        wandb.teardown()
-
-
-def _method_names() -> list[str]:
-    """The methods a user can pick: concrete FederatedMethod subclasses exported by the package
-    (abstract bases such as HeteroMethod, and helpers such as KNNPerModel, are not methods)."""
-    import inspect
-
-    from fl_lightning import methods
-
-    return sorted(n for n in methods.__all__
-                  if inspect.isclass(cls := getattr(methods, n)) and issubclass(cls, FederatedMethod)
-                  and not inspect.isabstract(cls))
-
-
-def _class_options(class_path: str) -> list[str]:
-    """A class's init options as the CLI reads them (for a did-you-mean)."""
-    from jsonargparse import ArgumentParser
-    from jsonargparse._util import import_object
-
-    try:
-        parser = ArgumentParser(exit_on_error=False)
-        parser.add_class_arguments(import_object(class_path), "x")
-    except Exception:  # noqa: BLE001 - only a hint for an error message
-        return []
-    return [a.dest[2:] for a in parser._actions
-            if a.dest.startswith("x.") and a.dest.count(".") == 1 and a.dest != "x.data_spec"]
-
-
-def _option_names() -> list[str]:
-    cli = FLCLI.active
-    parsers = getattr(cli, "_subcommand_parsers", None) or {}
-    parser = parsers.get(getattr(cli, "subcommand", None) or "fit")
-    return [a.dest for a in parser._actions if a.dest not in ("help", "config")] if parser is not None else []
-
-
-def _summarise_parse_error(text: str, args: list[str] | None = None) -> str:
-    """jsonargparse explains a bad value over a dozen lines; one line names the option, the value
-    and what it accepts (fl_lightning/parse_errors.py)."""
-    from fl_lightning import parse_errors
-
-    args = sys.argv[1:] if args is None else args
-    return parse_errors.summarise(text, args, _option_names(), _class_options, _method_names())
-
-
-def _raised_by_trainer_init(err: BaseException) -> bool:
-    """An error from Lightning's Trainer constructor is a bad trainer.* option (an unknown
-    accelerator, devices 'abc', ...): Lightning validates its arguments there."""
-    tb = err.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if code.co_name == "__init__" and code.co_filename.endswith(os.path.join("pytorch", "trainer", "trainer.py")):
-            return True
-        tb = tb.tb_next
-    return False
-
-
-def _one_line(err: BaseException, args: list[str] | None = None) -> tuple[str, int] | None:
-    """The one line (and exit code) for an error the user caused, or None for a real bug.
-    Errors raised while jsonargparse instantiates a class arrive wrapped, so walk the chain."""
-    seen = err
-    while seen is not None:
-        if isinstance(seen, FLUserError):
-            return str(seen), 2
-        if isinstance(seen, FLDivergedError):
-            return str(seen), 3
-        seen = seen.__cause__ or seen.__context__
-    if type(err).__name__ == "ArgumentError":  # jsonargparse's parse errors (exit_on_error=False)
-        return _summarise_parse_error(str(err), args), 2
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-
-    if isinstance(err, (ValueError, TypeError, MisconfigurationException)) and _raised_by_trainer_init(err):
-        return f"trainer: {' '.join(str(err).split())}", 2
-    return None
-
-
-def _interrupted_line(err: FLInterrupted) -> str:
-    cli = FLCLI.active
-    where = ""
-    if cli is not None and getattr(cli, "trainer", None) is not None:
-        trainer = cli.trainer
-        where = f" in round {trainer.current_epoch + 1}/{trainer.max_epochs}"
-        checkpoint = cli.round_checkpoint
-        if checkpoint is not None and checkpoint.last_path.exists():
-            saved = checkpoint.rounds_saved
-            return (f"interrupted by {err}{where}; {saved} completed round(s) are saved in {checkpoint.last_path}: "
-                    f"resume with the same command and --ckpt_path last")
-    return f"interrupted by {err}{where}; no round was completed, so there is nothing to resume: start the run again"
-
-
-def build_cli(args: list[str] | None, run: bool = True) -> FLCLI:
-    """The fl-lightning CLI on `args`; with run=False, parsed and instantiated without a subcommand
-    (for inspecting what a config builds)."""
-    return FLCLI(
-        FederatedMethod,
-        FederatedDataModule,
-        trainer_class=FLTrainer,
-        subclass_mode_model=True,
-        trainer_defaults=TRAINER_DEFAULTS,
-        save_config_kwargs={"overwrite": True},
-        auto_configure_optimizers=False,
-        parser_kwargs={"default_env": False, "exit_on_error": False},
-        run=run,
-        args=args,
-    )
+Each subcommand has its own --help (e.g. fl-lightning fit --help; fl-lightning fit --model.help FedSOL).
+"""
+TOOLS = ("sweep", "report")
 
 
 def main(args: list[str] | None = None) -> None:
-    os.environ.setdefault("WANDB_SILENT", "true")
     argv = sys.argv[1:] if args is None else list(args)
-    if argv[:1] in (["sweep"], ["report"]):  # not LightningCLI subcommands: fl_lightning/sweep.py, report.py
-        sys.exit(_run_tool(argv))
-    if sweep.agent_run_dir_args(argv) != argv:  # launched by a W&B sweep agent: a directory per run
-        args = sweep.agent_run_dir_args(argv)
-    previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
-    FLCLI.active = None
-    try:
-        build_cli(args)
-    except FLInterrupted as err:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
-        finish_wandb(exit_code=128 + err.signum)
-        print(f"error: {_interrupted_line(err)}", file=sys.stderr)
-        sys.exit(128 + err.signum)
-    except Exception as err:
-        reported = _one_line(err, args)
-        finish_wandb(exit_code=1)
-        if reported is None:
-            raise
-        print(f"error: {reported[0]}", file=sys.stderr)
-        sys.exit(reported[1])
-    finally:
-        if FLCLI.active is not None and FLCLI.active.run_dir is not None:
-            FLCLI.active.run_dir.unlock()
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    if not argv:
+        print("error: no subcommand given; choose one of: fit, validate, test, analyze, sweep, report "
+              "(fl-lightning --help)", file=sys.stderr)
+        sys.exit(2)
+    if argv[0] in ("-h", "--help"):
+        print(HELP, end="")
+        return
+    if argv[0] in TOOLS:
+        sys.exit(_run_tool(argv[0], argv[1:]))
+    if os.environ.get("WANDB_SWEEP_ID"):  # launched by a W&B sweep agent: a directory per run
+        from fl_lightning.sweep import agent_run_dir_args
+
+        argv = agent_run_dir_args(argv)
+        args = argv
+    from fl_lightning.lightning_cli import main as run
+
+    run(args)
 
 
-def _run_tool(args: list[str]) -> int:
-    tool = sweep if args[0] == "sweep" else report
+def _run_tool(name: str, args: list[str]) -> int:
+    from fl_lightning.errors import FLUserError
+
+    if name == "sweep":
+        from fl_lightning import sweep as tool
+    else:
+        from fl_lightning import report as tool
     try:
-        return tool.main(args[1:])
+        return tool.main(args)
     except FLUserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

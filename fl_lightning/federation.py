@@ -2,17 +2,27 @@
 
 It knows no method by name. At round start it asks the method to take the global state; one
 Trainer batch is one client, so before each batch it starts that client and after it collects the
-client's upload (and checks it is finite); after the round's last client it has the method
-aggregate the accepted uploads (and lets those clients keep their new local state), before
-Lightning's validation loop evaluates the new global model. What the method
-uploads (`uploads.ClientUpload`) and how the server combines it is entirely the method's business
-(`methods/base.py`).
+client's upload, checks it is finite and stores the state the client keeps; after the round's last
+client it asks the method's server step for its result (`uploads.ServerUpdate`), checks it,
+applies it, syncs the client states between processes and logs the round, before Lightning's
+validation loop evaluates the new global model. What the method uploads and how the server
+combines it is entirely the method's business (`methods/base.py`).
+
+It also decides the run's outcome (`outcome.py`) where the decision is the round's: a diverged
+round (NaN/inf uploads, a NaN/inf server step, a NaN/inf test loss) and a collapse to chance
+accuracy (the papers' "Failed"). Every process takes the same decision (the round's facts are
+gathered, and the decision is reduced across processes as Lightning's EarlyStopping does), and a
+run that must stop stops through `trainer.should_stop`, never by raising, so every process ends
+the same way, with the same summary and exit code. What each round did is published as
+`round_report` (the round's clients, uploads, per-client rows and metrics), which the other
+callbacks read.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,24 +30,64 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from fl_lightning import compat
 from fl_lightning.data.datamodule import clients_per_round
 from fl_lightning.errors import FLUserError
-from fl_lightning.parallel import (
-    ClientParallelStrategy,
-    Collective,
-    check_method,
-    check_process_count,
-    clients_in_parallel,
-)
-from fl_lightning.uploads import ClientUpload, RoundUploads, all_finite
+from fl_lightning.evaluation import BestAccuracy
+from fl_lightning.outcome import Outcome
+from fl_lightning.parallel import ClientParallelStrategy, Collective, check_process_count
+from fl_lightning.state import ServerState
+from fl_lightning.uploads import ClientUpload, RoundUploads, ServerUpdate, all_finite
+
+CLIENT_COLUMNS = ("client", "samples", "local_acc", "local_loss", "drift", "train_loss", "skipped")
 
 
-class FLDivergedError(RuntimeError):
-    """A loss or an uploaded tensor became NaN/inf: the run stops instead of training on garbage."""
+@dataclass
+class RoundReport:
+    """What one round did, for the callbacks that follow the round callback (analysis, results).
+
+    Attributes:
+        round: 1-based.
+        completed: the round's server step was applied and its model evaluated (False for a round
+            that stopped the run before its server step).
+        uploads: the accepted uploads (every process's when `share_round_uploads` is set, else
+            this process's), complete from the end of the round's last client.
+        clients: one row per client of the round, every process's, in client order:
+            `CLIENT_COLUMNS` (a skipped client has `skipped` 1 and no measures).
+        metrics: the round's logged values (`round`, `lr`, `perf/*`, `local/*` means, the server
+            step's metrics).
+    """
+
+    round: int
+    completed: bool = False
+    uploads: list[ClientUpload] = field(default_factory=list)
+    clients: list[dict[str, float]] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class OutcomeRecord:
+    """The run's outcome as the round callback decided it (checkpointed with the callback).
+
+    `marks` are what was seen without stopping the run (a NaN test loss under skip_client, a
+    collapse under on_collapse mark): they decide the outcome of a run that runs to its end."""
+
+    outcome: Outcome = Outcome.RUNNING
+    reason: str = ""  # the one line that says why (for a stop: the `error:` line)
+    round: int | None = None
+    stopped: bool = False  # ended early by a decision (exit code 3)
+    marks: dict[str, str] = field(default_factory=dict)
+
+    def final_outcome(self) -> Outcome:
+        """A run that ran every round: diverged or failed if marked so (diverged first), else finished."""
+        for mark in (Outcome.DIVERGED, Outcome.FAILED):
+            if mark.value in self.marks:
+                return mark
+        return Outcome.FINISHED
 
 
 class FederatedCallback(L.Callback):
-    """Drives clients and aggregation inside Lightning's fit loop.
+    """Drives clients and the server step inside Lightning's fit loop.
 
     Args:
         eval_local_models: evaluate every sampled client's local model on (a subset of) the global
@@ -49,8 +99,8 @@ class FederatedCallback(L.Callback):
             after the global test accuracy has once exceeded the constant-predictor accuracy
             (the majority class's share of the test set) by 0.1, it falls to within 0.01 of it for
             this many consecutive rounds. 0 switches the check off.
-        on_collapse: "mark" prints one line and marks the W&B summary (`failed`, `failed_at`) and
-            trains on; "stop" also ends the run (exit code 3).
+        on_collapse: "mark" prints one line and marks the run failed (summary.json, the W&B
+            summary) and trains on; "stop" also ends the run (exit code 3).
         client_cache_size: clients whose persistent state (control variates, personal models,
             heterogeneous client models) stays in memory; the others wait in per-client files in
             the run directory (0 = all in memory). Results do not depend on it.
@@ -59,76 +109,81 @@ class FederatedCallback(L.Callback):
             federated clients are small, and splitting their batches cannot beat one device);
             "batch" splits every client's mini-batches across the processes instead (DDP's usual
             data parallelism, for settings with one large client batch).
+        collective_timeout: seconds a process waits in a collective (the round's gather and
+            reductions) for the others before the run ends as lost. Processes meet once a round,
+            so a wait is at most the slowest process's share of a round, plus rank 0's analyses
+            (`--analysis.every_n_rounds`) and the round checkpoint; raise it for analyses of large
+            models. (On one machine a process that dies is noticed at once, see cli.py.)
     """
 
     def __init__(self, eval_local_models: bool = True, local_eval_samples: int = 1000,
                  on_divergence: Literal["stop", "skip_client"] = "stop", collapse_rounds: int = 5,
                  on_collapse: Literal["mark", "stop"] = "mark", client_cache_size: int = 0,
-                 parallel: Literal["clients", "batch"] = "clients"):
+                 parallel: Literal["clients", "batch"] = "clients", collective_timeout: float = 1800.0):
         super().__init__()
-        self.parallel = parallel
         if client_cache_size < 0:
             raise FLUserError(f"federation.client_cache_size must be >= 0 (0 = all in memory), got "
                               f"{client_cache_size}")
-        self.client_cache_size = client_cache_size
         if collapse_rounds < 0:
             raise FLUserError(f"federation.collapse_rounds must be >= 0 (0 = off), got {collapse_rounds}")
         if local_eval_samples < 0:
             raise FLUserError(f"federation.local_eval_samples must be >= 0 (0 = the whole test set), "
                               f"got {local_eval_samples}")
-        self.eval_local_models = eval_local_models
-        self.local_eval_samples = local_eval_samples
+        if not collective_timeout > 0:
+            raise FLUserError(f"federation.collective_timeout must be > 0 seconds, got {collective_timeout}")
+        self.eval_local_models, self.local_eval_samples = eval_local_models, local_eval_samples
         self.on_divergence = on_divergence
         self.collapse_rounds, self.on_collapse = collapse_rounds, on_collapse
-        self._collapse = {"best_acc": -1.0, "rounds_at_chance": 0, "failed_at": ""}
+        self.client_cache_size, self.parallel = client_cache_size, parallel
+        self.collective_timeout = collective_timeout
+        self.record = OutcomeRecord()
+        self.best = BestAccuracy()  # the run's accuracy (the method's accuracy_key)
+        self._rounds_at_chance = 0
         self._chance_acc: float | None = None
-        self._plan = None
-        self._starts: dict[int, Any] = {}
-        self._ends: dict[int, Any] = {}
-        self._uploads: list[ClientUpload] = []
-        self._all_uploads: list[ClientUpload] = []
         # set by a callback that reads every client's upload each round (analysis divergence): with
-        # clients in parallel the uploads are then gathered to every process after aggregation
+        # clients in parallel the uploads are then gathered to every process after the server step
         self.share_round_uploads = False
+        self.round_report = RoundReport(round=0)
         self._local_loader = None
-        self._skipped: list[int] = []
-
-    @property
-    def round_uploads(self) -> list[ClientUpload]:
-        """The current round's accepted uploads (typed, see uploads.py), complete from the end of
-        its last client until the next round starts: what an analysis callback reads, e.g. in
-        its own on_train_batch_end or on_validation_end. With clients in parallel, every
-        process's uploads when `share_round_uploads` is set, else this process's."""
-        return list(self._all_uploads)
 
     # ---- set-up -------------------------------------------------------------------------------
+    def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
+        # Per-client state files go next to the checkpoints (so a checkpoint only names them):
+        # into the run's checkpoint folder, or beside the checkpoint being evaluated (validate,
+        # test), or, for a bounded cache without checkpoints, into the run directory. Set before a
+        # checkpoint is restored (Lightning restores after `setup`).
+        directory = None
+        checkpoint = trainer.checkpoint_callback
+        if checkpoint is not None and getattr(checkpoint, "dirpath", None):
+            directory = Path(checkpoint.dirpath) / "client_states"
+        elif trainer.ckpt_path:
+            directory = Path(trainer.ckpt_path).parent / "client_states"
+        elif self.client_cache_size:
+            directory = Path(trainer.default_root_dir) / "client_states"
+        pl_module.configure_client_stores(directory, self.client_cache_size, rank=trainer.global_rank)
+
     def on_fit_start(self, trainer: L.Trainer, pl_module) -> None:
         if trainer.reload_dataloaders_every_n_epochs != 1:
             raise FLUserError("federated training needs trainer.reload_dataloaders_every_n_epochs=1 "
                               "(every round has its own clients)")
         if not hasattr(trainer.datamodule, "round_plan"):
             raise FLUserError("federated training needs a FederatedDataModule as data")
-        self._check_parallel(trainer, pl_module)
-        # Per-client state goes to files next to the checkpoints (so a checkpoint only names them),
-        # or, for a bounded cache without checkpoints, into the run directory.
-        checkpoint = trainer.checkpoint_callback
-        directory = None
-        if checkpoint is not None and getattr(checkpoint, "dirpath", None):
-            directory = Path(checkpoint.dirpath) / "client_states"
-        elif self.client_cache_size:
-            directory = Path(trainer.default_root_dir) / "client_states"
-        pl_module.configure_client_stores(directory, self.client_cache_size)
+        self._check_parallel(trainer)
+        if self.record.stopped:
+            # a run a decision stopped (diverged, failed) is over: resuming it completes its records
+            trainer.should_stop = True
+        elif self.record.outcome.final and (self.record.round or 0) < trainer.max_epochs:
+            # a finished run resumed with more rounds (--trainer.max_epochs raised) trains on
+            self.record = OutcomeRecord(marks=dict(self.record.marks))
 
-    def _check_parallel(self, trainer, pl_module) -> None:
-        world = trainer.world_size
-        if world == 1 or self.parallel == "batch":
+    def _check_parallel(self, trainer) -> None:
+        if trainer.world_size == 1 or self.parallel == "batch":
             return
         if not isinstance(trainer.strategy, ClientParallelStrategy):
             raise FLUserError(f"--federation.parallel clients runs with --trainer.strategy ddp (got "
                               f"{type(trainer.strategy).__name__}); or set --federation.parallel batch")
-        check_method(type(pl_module))
         dm = trainer.datamodule
-        check_process_count(world, clients_per_round(dm.hparams.num_clients, dm.hparams.sample_ratio))
+        check_process_count(trainer.world_size, clients_per_round(dm.hparams.num_clients, dm.hparams.sample_ratio))
 
     # ---- the round ----------------------------------------------------------------------------
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module) -> None:
@@ -140,142 +195,195 @@ class FederatedCallback(L.Callback):
         self._plan = plan
         self._mine = getattr(dm, "rank_plan", None) or plan  # this process's clients
         self._round_started = time.perf_counter()
-        self._clients_done = 0
-        self._uploads, self._all_uploads, self._skipped, self._diverged_at = [], [], [], None
-        self._local_stats: list[dict[str, float]] = []
+        self._uploads: list[ClientUpload] = []
+        self._rows: list[dict[str, float]] = []
+        self._diverged_at: tuple[int, str] | None = None
+        self.round_report = RoundReport(round=plan.round + 1)
         pl_module.round_start(plan.round, [c.client for c in plan.clients])
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         pl_module.client_start(batch.client, batch.num_samples)  # one batch = one client
+        self._log_mark = pl_module.local_log_position()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         upload = pl_module.client_end()
-        self._clients_done += 1
+        row: dict[str, float] = {"client": upload.client, "samples": upload.num_samples, "skipped": 0}
         if not all_finite(upload):
-            self._diverged(trainer, pl_module, batch.client)
+            row["skipped"] = 1
+            if self.on_divergence == "stop":
+                where = self._where(trainer, pl_module, upload.client)
+                self._diverged_at = min(self._diverged_at or (upload.client, where), (upload.client, where))
         else:
-            stats = dict(upload.stats)
+            if upload.kept:  # the state the client keeps: stored now that its upload is accepted
+                pl_module.client_states[upload.client] = upload.kept
+                upload.kept = {}
+            row.update(upload.stats)
+            train_loss = pl_module.local_log_means(since=self._log_mark).get("train/loss")
+            if train_loss is not None:
+                row["train_loss"] = train_loss
             if self.eval_local_models:
-                stats.update(pl_module.local_model_stats(lambda: self._local_eval_loader(trainer)))
-            self._local_stats.append((upload.client, stats))
+                row.update(pl_module.local_model_stats(lambda: self._local_eval_loader(trainer)))
             self._uploads.append(upload)
-        if self._clients_done == len(self._mine.clients):
+        self._rows.append(row)
+        if len(self._rows) == len(self._mine.clients):
             self._finish_round(trainer, pl_module)
-
-    @property
-    def round_client_stats(self) -> list[dict[str, float]]:
-        """Per accepted client of that round (of every process), its logged statistics (e.g.
-        local_acc), in client order."""
-        return [stats for _, stats in self._local_stats]
 
     def _finish_round(self, trainer, pl_module) -> None:
         collective = Collective.of(trainer)
         local_logs = [pl_module.flush_local_logs()]
+        diverged_at, rows = self._diverged_at, self._rows
         if collective.distributed:
-            # One gather of what every process saw: a divergence stops every process together
-            # (not one process while the others wait in a collective), and the round's logged
-            # means are over every client, whichever process trained it.
-            parts = collective.gather({"stats": self._local_stats, "skipped": self._skipped,
-                                       "diverged": self._diverged_at, "logs": local_logs,
-                                       "accepted": len(self._uploads)})
-            self._local_stats = sorted((s for p in parts for s in p["stats"]), key=lambda cs: cs[0])
-            self._skipped = sorted(c for p in parts for c in p["skipped"])
+            # One gather of what every process saw: every process takes the same decision below,
+            # and the round's logged means are over every client, whichever process trained it.
+            parts = collective.gather({"rows": rows, "diverged": diverged_at, "logs": local_logs})
+            rows = [r for p in parts for r in p["rows"]]
             diverged_at = min((p["diverged"] for p in parts if p["diverged"]), default=None)
-            accepted = sum(p["accepted"] for p in parts)
             local_logs = [p["logs"][0] for p in parts]
-        else:
-            diverged_at, accepted = self._diverged_at, len(self._uploads)
-        local_logs = pl_module.merge_local_logs(local_logs)
+        rows.sort(key=lambda r: r["client"])
+        self.round_report.clients = rows
+        skipped = [int(r["client"]) for r in rows if r["skipped"]]
+        if self.on_divergence == "skip_client":
+            for client in skipped:
+                rank_zero_info(f"non-finite upload at {self._where(trainer, pl_module, client)}: skipping this "
+                               f"client's upload")
+        reason = None
         if diverged_at is not None:
-            raise FLDivergedError(f"diverged: non-finite weights at {diverged_at[1]}; "
-                                  f"lower the lr or set --federation.on_divergence skip_client")
-        if not accepted:
-            raise FLDivergedError(f"diverged: every client's upload was non-finite at "
-                                  f"{self._where(trainer, pl_module)}")
-        lr = pl_module.current_lr()
-        uploads = RoundUploads(self._uploads, collective, pl_module.device)
-        pl_module.aggregate(uploads)
-        self._all_uploads = uploads.gathered() if self.share_round_uploads else list(self._uploads)
-        pl_module.commit_kept_states(self._uploads)
-        pl_module.sync_client_states(collective)
-        if not all_finite(pl_module.aggregated_state()):
-            # finite uploads can still aggregate to inf/NaN (a server step size, a control variate,
-            # overflow); no client to skip then, so the run stops either way
-            raise FLDivergedError(f"diverged: non-finite global model after aggregation at "
-                                  f"{self._where(trainer, pl_module)}")
+            reason = (f"diverged: non-finite weights at {diverged_at[1]}; lower the lr or set "
+                      f"--federation.on_divergence skip_client")
+        elif len(skipped) == len(rows):
+            reason = f"diverged: every client's upload was non-finite at {self._where(trainer, pl_module)}"
+        update = None
+        if self._agreed(trainer, reason is None):
+            lr = pl_module.current_lr()
+            uploads = RoundUploads(self._uploads, collective, pl_module.device)
+            update = pl_module.server_step(uploads)
+            if not self._agreed(trainer, _update_finite(update, pl_module.server)):
+                # finite uploads can still give NaN/inf (a server step size, a control variate,
+                # overflow); no client to skip then, so the run stops either way
+                where = self._where(trainer, pl_module)
+                reason = f"diverged: non-finite global model after the server step at {where}"
+            else:
+                reason = None
+        elif reason is None:  # another process's decision
+            reason = f"diverged at {self._where(trainer, pl_module)} on another process"
+        if reason is not None:
+            self._stop(trainer, pl_module, Outcome.DIVERGED, reason)
+            return
+        pl_module.apply_server_update(update)
+        self.round_report.uploads = uploads.gathered() if self.share_round_uploads else list(self._uploads)
+        self.round_report.completed = True
+        pl_module.client_states.sync(collective)
         pl_module.round_end()
+        self._log_round(trainer, pl_module, lr, update, pl_module.merge_local_logs(local_logs), collective)
+
+    def _log_round(self, trainer, pl_module, lr: float, update: ServerUpdate, local_logs: dict[str, float],
+                   collective: Collective) -> None:
         seconds = time.perf_counter() - self._round_started
         samples = sum(c.num_samples * len(c.orders) for c in self._plan.clients)
-        metrics = {"round": float(self._plan.round), "lr": lr, "clients/skipped": float(len(self._skipped)),
+        rows = self.round_report.clients
+        metrics = {"round": float(self._plan.round + 1), "lr": lr,
+                   "clients/skipped": float(sum(r["skipped"] for r in rows)),
                    "perf/round_seconds": seconds, "perf/client_updates_per_s": len(self._plan.clients) / seconds,
                    "perf/samples_per_s": samples / seconds}
         metrics.update(local_logs)
-        stats = self.round_client_stats
-        for key in sorted({k for s in stats for k in s}):
-            values = torch.tensor([s[key] for s in stats if key in s], dtype=torch.float64)
+        metrics.update(update.metrics)
+        measured = [r for r in rows if not r["skipped"]]
+        for key in sorted({k for r in measured for k in r} - set(CLIENT_COLUMNS[:2]) - {"skipped", "train_loss"}):
+            values = torch.tensor([r[key] for r in measured if key in r], dtype=torch.float64)
             metrics[f"local/{key}_mean"] = float(values.mean())
             if key == "local_acc":
                 metrics["local/local_acc_std"] = float(values.std(unbiased=False))
+        self.round_report.metrics = metrics
         # With clients in parallel every process now holds the same values (no sync needed);
         # with batch parallelism every process trained every client, so the mean is the value.
         # perf/* is each process's own clock, logged from rank 0.
         pl_module.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1,
                            sync_dist=not collective.distributed and trainer.world_size > 1)
 
+    def _agreed(self, trainer, ok: bool) -> bool:
+        """True when every process says ok (one reduction; every process gets the same answer)."""
+        return bool(trainer.strategy.reduce_boolean_decision(bool(ok), all=True))
+
+    def _stop(self, trainer, pl_module, outcome: Outcome, reason: str, completed: bool = False) -> None:
+        """Ends the run after this round (EarlyStopping's way: `should_stop`, not an exception)."""
+        self.record = OutcomeRecord(outcome, reason, self.round_report.round, stopped=True,
+                                    marks=dict(self.record.marks))
+        trainer.should_stop = True
+        if not completed:
+            # the round never reached its server step: the model goes back to the round's start,
+            # nothing of the round is evaluated, logged or checkpointed
+            pl_module.abandon_round()
+            compat.skip_next_validation(trainer)
+            self.round_report.completed = False
+
     def _where(self, trainer, pl_module, client: int | None = None) -> str:
         """1-based round, as in the per-round log line."""
         who = "" if client is None else f", client {client}"
         return f"round {self._plan.round + 1}/{trainer.max_epochs}{who}, method {type(pl_module).__name__}"
-
-    def _diverged(self, trainer, pl_module, client: int) -> None:
-        where = self._where(trainer, pl_module, client)
-        self._mark_summary(trainer, "diverged", where)
-        if self.on_divergence == "skip_client":
-            rank_zero_info(f"non-finite upload at {where}: skipping this client's upload")
-            self._skipped.append(client)
-            return
-        if clients_in_parallel(trainer):  # the other processes stop with it at the round's end
-            self._diverged_at = min(self._diverged_at or (client, where), (client, where))
-            return
-        raise FLDivergedError(f"diverged: non-finite weights at {where}; "
-                              f"lower the lr or set --federation.on_divergence skip_client")
-
-    def _non_finite_evaluation(self, trainer, pl_module, loss: float) -> None:
-        """Finite weights can still give a NaN/inf test loss (an overflowing logit, a cosine of a
-        zero feature): the model is as unusable as one with NaN weights, so the same policy holds."""
-        where = f"round {trainer.current_epoch + 1}/{trainer.max_epochs}, method {type(pl_module).__name__}"
-        self._mark_summary(trainer, "diverged", where)
-        if self.on_divergence == "stop":
-            raise FLDivergedError(f"diverged: the global model's test loss is {loss} (its weights are finite) at "
-                                  f"{where}; lower the lr or set --federation.on_divergence skip_client")
-        rank_zero_info(f"non-finite global test loss ({loss}) at {where}; training continues "
-                       f"(--federation.on_divergence stop ends such runs)")
-
-    @staticmethod
-    def _mark_summary(trainer, flag: str, where: str) -> None:
-        """W&B summary flags, so dashboards can filter the runs a paper table calls diverged/failed."""
-        summary = getattr(getattr(trainer.logger, "experiment", None), "summary", None)
-        if summary is not None:
-            summary[flag] = True
-            summary[f"{flag}_at"] = where
 
     def _local_eval_loader(self, trainer):
         if self._local_loader is None:
             self._local_loader = trainer.datamodule.global_test_subset_loader(self.local_eval_samples)
         return self._local_loader
 
+    # ---- after the round's evaluation ---------------------------------------------------------
     def on_validation_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or trainer.global_rank != 0:
+        if trainer.sanity_checking or trainer.global_rank != 0 or trainer.state.fn != "fit":
             return
-        m = trainer.callback_metrics
-        acc, loss = m.get("global/test_acc"), m.get("global/test_loss")
-        if acc is not None and loss is not None:
-            rank_zero_info(f"round {trainer.current_epoch + 1}/{trainer.max_epochs}: "
-                           f"global test acc {float(acc):.4f}, loss {float(loss):.4f}")
-            if not math.isfinite(float(loss)) and trainer.state.fn == "fit":
-                self._non_finite_evaluation(trainer, pl_module, float(loss))
-        if acc is not None and self.collapse_rounds and trainer.state.fn == "fit":
-            self._check_collapse(trainer, pl_module, float(acc))
+        acc, loss = self._evaluation(trainer, pl_module)
+        if acc is not None:
+            label = "client test acc" if pl_module.accuracy_key.startswith("clients/") else "global test acc"
+            rank_zero_info(f"round {trainer.current_epoch + 1}/{trainer.max_epochs}: {label} {acc:.4f}, "
+                           f"loss {loss:.4f}")
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or self.record.stopped:
+            return
+        round_number = self.round_report.round
+        acc, loss = self._evaluation(trainer, pl_module)
+        if acc is not None:
+            self.best.update(acc, round_number)
+        if self.best.round is not None:
+            group = pl_module.accuracy_key.split("/")[0]
+            pl_module.log_dict({f"{group}/best_test_acc": self.best.value,
+                                f"{group}/best_round": float(self.best.round)}, on_step=False, on_epoch=True,
+                               batch_size=1)
+        where = f"round {round_number}/{trainer.max_epochs}, method {type(pl_module).__name__}"
+        if loss is not None and not self._agreed(trainer, math.isfinite(loss)):
+            # finite weights can still give a NaN/inf test loss (an overflowing logit, a cosine of a
+            # zero feature): the model is as unusable as one with NaN weights, so the same policy holds
+            if self.on_divergence == "stop":
+                self._stop(trainer, pl_module, Outcome.DIVERGED,
+                           f"diverged: the global model's test loss is {loss} (its weights are finite) at {where}; "
+                           f"lower the lr or set --federation.on_divergence skip_client", completed=True)
+                return
+            self._mark(Outcome.DIVERGED, where, f"non-finite global test loss ({loss}) at {where}; training continues "
+                                                f"(--federation.on_divergence stop ends such runs)")
+        if acc is not None and self.collapse_rounds and self._collapsed(trainer, acc):
+            message = (f"failed: test accuracy has been at chance level (<= {self.chance_accuracy(trainer):.3f} + "
+                       f"0.01, the majority class's share) for {self.collapse_rounds} rounds after reaching "
+                       f"{self.best.value:.3f}, at {where}")
+            if self.on_collapse == "stop":
+                self._stop(trainer, pl_module, Outcome.FAILED, message + "; lower the lr or set "
+                           "--federation.on_collapse mark", completed=True)
+                return
+            self._mark(Outcome.FAILED, where, message + "; training continues (--federation.on_collapse stop "
+                                                        "ends such runs)")
+        if round_number >= trainer.max_epochs:
+            self.record.outcome = self.record.final_outcome()
+            self.record.round = round_number
+
+    def _evaluation(self, trainer, pl_module) -> tuple[float | None, float | None]:
+        """The round's accuracy (the method's `accuracy_key`) and the matching test loss."""
+        metrics = trainer.callback_metrics
+        key = pl_module.accuracy_key
+        acc, loss = metrics.get(key), metrics.get(key.replace("_acc", "_loss"))
+        return (None if acc is None else float(acc)), (None if loss is None else float(loss))
+
+    def _mark(self, outcome: Outcome, where: str, message: str) -> None:
+        if outcome.value not in self.record.marks:
+            self.record.marks[outcome.value] = where
+            rank_zero_info(message)
 
     # ---- "Failed": collapse to chance accuracy -----------------------------------------------
     def chance_accuracy(self, trainer) -> float:
@@ -285,25 +393,33 @@ class FederatedCallback(L.Callback):
             self._chance_acc = float(torch.bincount(labels).max()) / max(len(labels), 1)
         return self._chance_acc
 
-    def _check_collapse(self, trainer, pl_module, acc: float) -> None:
-        state, chance = self._collapse, self.chance_accuracy(trainer)
-        state["best_acc"] = max(state["best_acc"], acc)
-        learned = state["best_acc"] >= chance + 0.1
-        state["rounds_at_chance"] = state["rounds_at_chance"] + 1 if learned and acc <= chance + 0.01 else 0
-        if state["rounds_at_chance"] < self.collapse_rounds or state["failed_at"]:
-            return
-        where = f"round {trainer.current_epoch + 1}/{trainer.max_epochs}, method {type(pl_module).__name__}"
-        state["failed_at"] = where
-        self._mark_summary(trainer, "failed", where)
-        message = (f"failed: global test accuracy has been at chance level (<= {chance:.3f} + 0.01, the "
-                   f"majority class's share) for {self.collapse_rounds} rounds after reaching "
-                   f"{state['best_acc']:.3f}, at {where}")
-        if self.on_collapse == "stop":
-            raise FLDivergedError(message + "; lower the lr or set --federation.on_collapse mark")
-        rank_zero_info(message + "; training continues (--federation.on_collapse stop ends such runs)")
+    def _collapsed(self, trainer, acc: float) -> bool:
+        """True in the round the collapse is first confirmed (once per run)."""
+        chance = self.chance_accuracy(trainer)
+        learned = self.best.value >= chance + 0.1
+        self._rounds_at_chance = self._rounds_at_chance + 1 if learned and acc <= chance + 0.01 else 0
+        confirmed = self._rounds_at_chance >= self.collapse_rounds and Outcome.FAILED.value not in self.record.marks
+        return not self._agreed(trainer, not confirmed)
 
+    # ---- checkpoints --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return dict(self._collapse)
+        r = self.record
+        return {"outcome": r.outcome.value, "reason": r.reason, "round": r.round, "stopped": r.stopped,
+                "marks": dict(r.marks), "best": self.best.state_dict(), "rounds_at_chance": self._rounds_at_chance}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._collapse.update(state_dict)
+        self.record = OutcomeRecord(Outcome(state_dict.get("outcome", "running")), state_dict.get("reason", ""),
+                                    state_dict.get("round"), bool(state_dict.get("stopped", False)),
+                                    dict(state_dict.get("marks", {})))
+        self.best.load_state_dict(state_dict.get("best", {}))
+        self._rounds_at_chance = int(state_dict.get("rounds_at_chance", 0))
+
+
+def _update_finite(update: ServerUpdate, server: ServerState) -> bool:
+    tensors = {str(i): t for i, t in enumerate(server.tensors_of(update.server_state))}
+    return all_finite(update.global_state or {}) and all_finite(tensors)
+
+
+def federation_of(trainer) -> FederatedCallback | None:
+    """The run's round callback (the public per-round report other callbacks read)."""
+    return next((c for c in trainer.callbacks if isinstance(c, FederatedCallback)), None)

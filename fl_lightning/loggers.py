@@ -13,7 +13,8 @@ from typing import Any
 
 from lightning.pytorch.loggers import WandbLogger
 
-from fl_lightning.rundir import run_name_from_configs
+from fl_lightning import compat
+from fl_lightning.config_files import run_name_from_configs
 
 
 def wandb_logged_in() -> bool:
@@ -48,14 +49,15 @@ class FLWandbLogger(WandbLogger):
         """The run's W&B config, group and tags; called by the CLI before the run is created (W&B
         takes group and tags only at creation). The user's own group/tags win."""
         self._resolved_config = without_internal_keys(dict(config))
-        self._wandb_init["config"] = self._resolved_config
-        if group and not self._wandb_init.get("group"):
-            self._wandb_init["group"] = group
-        self._wandb_init["tags"] = list(dict.fromkeys([*(self._wandb_init.get("tags") or []), *tags]))
+        init = compat.wandb_init_kwargs(self)
+        init["config"] = self._resolved_config
+        if group and not init.get("group"):
+            init["group"] = group
+        init["tags"] = list(dict.fromkeys([*(init.get("tags") or []), *tags]))
 
     @property
     def experiment(self):
-        created = self._experiment is None
+        created = not compat.wandb_run_created(self)
         run = super().experiment
         if created and getattr(run, "define_metric", None) is not None:
             # x-axis of every metric: the round (1-based), present in every logged row (log_metrics)
@@ -88,7 +90,7 @@ def describe_wandb_run(loggers, config) -> None:
     model = resolved.get("model") or {}
     method = str(model.get("class_path", "")).rpartition(".")[2] if isinstance(model, Mapping) else ""
     data = resolved.get("data") or {}
-    group = run_name_from_configs(files)
+    group = run_name_from_configs(files, method)
     tags = [t for t in (method, data.get("dataset"), data.get("partition")) if t]
     for logger in targets:
         logger.describe_run({"method": method, **resolved}, group, [str(t) for t in tags])

@@ -58,3 +58,69 @@ def read_outcome(run_dir: str | Path) -> Outcome | None:
     if summary.get("finished"):
         return Outcome.FAILED if summary.get("failed") else Outcome.FINISHED
     return Outcome.RUNNING
+
+
+class FLInterrupted(BaseException):
+    """SIGTERM or SIGINT: the current round is abandoned (a BaseException, like KeyboardInterrupt,
+    so no `except Exception` on the way swallows it)."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class FLLostProcess(RuntimeError):
+    """A process of a multi-process run died (found by the CLI's watchdog, or by a collective that
+    lost its peer)."""
+
+
+# What torch.distributed's backends say when a peer process is gone (gloo, NCCL, the TCP store).
+_LOST_PEER_MARKS = ("connection closed by peer", "connection reset by peer", "broken pipe", "glhf",
+                    "communicator was aborted", "socket timeout", "connection refused", "nccl error",
+                    "timed out", "timeout", "recvbytes", "sendbytes")
+# What the OS says when the disk refuses a write: full, read-only, no permission, over quota.
+DISK_ERRNOS = (28, 30, 13, 122, 1)
+
+
+def lost_peer(exception: BaseException) -> bool:
+    """True when `exception` (or one in its chain) is a collective that lost a peer process."""
+    import torch.distributed as dist
+
+    seen: BaseException | None = exception
+    while seen is not None:
+        if isinstance(seen, FLLostProcess | dist.DistBackendError | dist.DistNetworkError):
+            return True
+        if isinstance(seen, RuntimeError) and any(m in str(seen).lower() for m in _LOST_PEER_MARKS) and (
+                dist.is_available() and dist.is_initialized()):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def disk_refused(exception: BaseException) -> OSError | None:
+    """The OSError in `exception`'s chain that is the disk refusing a write, else None."""
+    seen: BaseException | None = exception
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in DISK_ERRNOS:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def outcome_of_exception(exception: BaseException) -> tuple[Outcome, str]:
+    """The outcome of a run an exception ended, and a line that says why."""
+    if isinstance(exception, FLInterrupted):
+        return Outcome.INTERRUPTED, f"interrupted by {exception}"
+    if lost_peer(exception):
+        return Outcome.LOST, f"a process of the run was lost ({_first_line(exception)})"
+    refused = disk_refused(exception)
+    if refused is not None:
+        return Outcome.LOST, f"the disk refused a write ({refused.strerror}: {refused.filename})"
+    return Outcome.CRASHED, f"{type(exception).__name__}: {_first_line(exception)}"
+
+
+def _first_line(exception: BaseException) -> str:
+    text = str(exception).strip()
+    return text.splitlines()[0][:200] if text else type(exception).__name__

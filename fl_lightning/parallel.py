@@ -26,8 +26,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+
+from fl_lightning import compat
 
 DDP_START_METHODS = {"ddp": "popen", "ddp_spawn": "spawn", "ddp_fork": "fork", "ddp_notebook": "fork"}
 
@@ -40,7 +41,7 @@ class ClientParallelStrategy(DDPStrategy):
     strategy_name = "ddp_clients"
 
     def configure_ddp(self) -> None:
-        _sync_module_states(self.model)
+        compat.sync_module_states(self.model)
 
     def setup(self, trainer) -> None:
         super().setup(trainer)
@@ -48,7 +49,7 @@ class ClientParallelStrategy(DDPStrategy):
         # collective that would pair up the ranks' batches: here a batch is a client and ranks
         # train different numbers of clients. A signal is handled by the CLI in the process that
         # receives it (cli.py), and the launcher (Lightning's, torchrun's) stops the others.
-        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+        compat.skip_per_batch_sigterm_broadcast(trainer)
         # Every process logs the same round values (the round's reductions made them equal), so
         # Lightning's advice to sync epoch-level logs across devices does not apply.
         warnings.filterwarnings("ignore", message=r".*when logging on epoch level in distributed setting.*")
@@ -76,13 +77,29 @@ def check_process_count(processes: int, clients_per_round: int) -> None:
                           f"--trainer.num_nodes) or sample more clients (--data.sample_ratio)")
 
 
-def check_method(method: type) -> None:
-    """The method can train its clients in parallel processes (`runs_clients_in_parallel`)."""
-    from fl_lightning.errors import FLUserError
+def lost_processes(trainer: Any, wait: float = 2.0) -> list[str]:
+    """The processes of this run that Lightning's launcher started from this one and that died
+    (killed by a signal, or exited with an error), each as "rank r (pid p) was killed by SIGKILL";
+    waits up to `wait` seconds for a process whose connection dropped to be reaped."""
+    import signal
+    import time
 
-    if not getattr(method, "runs_clients_in_parallel", True):
-        raise FLUserError(f"{method.__name__} cannot train clients in parallel processes yet; run it on one "
-                          f"process (--trainer.devices 1) or set --federation.parallel batch")
+    from fl_lightning import compat
+    from fl_lightning.outcome import EXIT_STOPPED
+
+    children = compat.launched_processes(trainer)
+    deadline = time.monotonic() + wait
+    while True:
+        lost = []
+        for rank, proc in children:
+            code = proc.poll()
+            if code is None or code in (0, EXIT_STOPPED):
+                continue
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            lost.append(f"rank {rank} (pid {proc.pid}) {how}")
+        if lost or not children or time.monotonic() >= deadline:
+            return lost
+        time.sleep(0.1)
 
 
 def clients_in_parallel(trainer: Any) -> bool:

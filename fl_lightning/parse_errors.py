@@ -193,14 +193,14 @@ def summarise(text: str, args: Sequence[str] = (), option_names: Sequence[str] =
         return f"unknown option {option}{hint} (see fl-lightning fit --help)"
     no_subcommand = re.match(r'expected "subcommand" to be one of \{([^}]*)\}', first)
     if no_subcommand:
-        choices = no_subcommand.group(1).split(",")
+        choices = [*no_subcommand.group(1).split(","), "sweep", "report"]
         given = re.search(r'got value "([^"]+)"|but it was not provided', first)
         what = f"unknown subcommand '{given.group(1)}'" if given and given.group(1) else "no subcommand given"
         return (f"{what}; choose one of: {', '.join(choices)} "
                 f"(e.g. fl-lightning fit --config configs/settings/mnist5k.yaml)")
     bad_choice = re.search(r"argument subcommand: invalid choice: '([^']+)' \(choose from (.*)\)", text)
     if bad_choice:
-        choices = [c.strip(" '") for c in bad_choice.group(2).split(",")]
+        choices = [*(c.strip(" '") for c in bad_choice.group(2).split(",")), "sweep", "report"]
         return f"unknown subcommand '{bad_choice.group(1)}'; choose one of: {', '.join(choices)}"
     # an unknown name, or an abstract base (jsonargparse does not accept those as a class path)
     missing_class = re.search(r"(?:Expected a dot import path string: |Expected a path but )(\S+)", text)

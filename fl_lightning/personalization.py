@@ -15,7 +15,6 @@ Configured from the CLI as `--personalization.*` (like `--federation.*`); off un
 from __future__ import annotations
 
 import copy
-import math
 from typing import Literal
 
 import lightning as L
@@ -24,6 +23,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from fl_lightning.errors import FLUserError
+from fl_lightning.evaluation import evaluate
 from fl_lightning.methods.base import LossContext
 
 
@@ -118,10 +118,10 @@ class PersonalizationCallback(L.Callback):
         for client in self.clients(dm):
             test = dm.client_loader(client, "test")
             start = pl_module.finetune_start(client)  # the global model, or the client's own
-            per["global"].append(self.accuracy(start, test, pl_module.device))
+            per["global"].append(self.accuracy(start, test, pl_module))
             own = pl_module.personal_model(client)
             if own is not None:  # the method's own personalised model (1-step pFL)
-                per.setdefault("own", []).append(self.accuracy(own, test, pl_module.device))
+                per.setdefault("own", []).append(self.accuracy(own, test, pl_module))
             accs = self.train_and_test(pl_module, start, start.state_dict(), dm, client, test, self.epochs)
             for e, acc in zip(self.epochs, accs, strict=True):
                 per[f"ft{e}"].append(acc)
@@ -167,21 +167,13 @@ class PersonalizationCallback(L.Callback):
                     loss.backward()
                     opt.step()
                 epoch += 1
-            accs.append(self.accuracy(model, test, device))
+            accs.append(self.accuracy(model, test, pl_module))
         return accs
 
     @staticmethod
-    @torch.no_grad()
-    def accuracy(model, loader, device) -> float:
-        was_training = model.training
-        model.eval()
-        correct = total = 0
-        for x, y in loader:
-            x, y = x.to(device), y.to(device)
-            correct += int((model(x).argmax(1) == y).sum())
-            total += len(y)
-        model.train(was_training)
-        return correct / total if total else math.nan
+    def accuracy(model, loader, pl_module) -> float:
+        """`model`'s accuracy on a client's test loader (the one evaluation function)."""
+        return evaluate(model, loader, pl_module.hparams.data_spec.num_classes, pl_module.device).accuracy
 
     def _log(self, trainer, metrics: dict[str, float], round_idx: int) -> None:
         if trainer.global_rank != 0:

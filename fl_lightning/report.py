@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from fl_lightning.errors import FLUserError
+from fl_lightning.errors import FLUserError, OneLineArgumentParser
 from fl_lightning.sweep import SEED_KEYS, display_value, read_json, short_keys
 
 # Options that name where and how a run is stored, not what it computes.
@@ -267,9 +267,7 @@ def markdown(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from fl_lightning.sweep import _Parser
-
-    p = _Parser(prog="fl-lightning report", description=__doc__.split("\n\n")[0])
+    p = OneLineArgumentParser(prog="fl-lightning report", description=__doc__.split("\n\n")[0])
     p.add_argument("sweep_dir", help="a sweep's directory, e.g. runs/<sweep>")
     p.add_argument("--compare", default=None, help="a paper table, configs/tables/<table>.yaml")
     p.add_argument("--csv", default=None, help="where to write the CSV (default: <sweep_dir>/report.csv)")

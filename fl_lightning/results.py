@@ -1,10 +1,16 @@
-"""Results that outlive the dashboard: `<run dir>/metrics.csv` and `<run dir>/summary.json`.
+"""Results that outlive the dashboard: `<run dir>/metrics.csv`, `<run dir>/clients.csv` and
+`<run dir>/summary.json`.
 
 `metrics.csv` has one row per completed round (`round` is 1-based, then every metric logged that
-round) and `summary.json` the run's outcome (see `Summary`). Both are rewritten atomically after
-every round, before the round's checkpoint, so after a kill they hold at least the checkpointed
-rounds; a resumed run drops any row past its checkpoint and writes the replayed rounds again, so a
-resumed run's files equal an uninterrupted run's. Sweeps and `fl-lightning report` read them.
+round), `clients.csv` one row per client of every completed round (`round`, then
+`federation.CLIENT_COLUMNS`), and `summary.json` the run's outcome (see `Summary`): `outcome`, as
+the round callback decided it or as the exception that ended the run says, is the one field
+`report`, `sweep` and the CLI read (through `outcome.read_outcome`). They are written after every
+round, before the round's checkpoint (metrics.csv and summary.json rewritten atomically,
+clients.csv appended), so after a kill they hold at least the checkpointed rounds; a resumed run
+drops any row past its checkpoint and writes the replayed rounds again, so a resumed run's files
+equal an uninterrupted run's. A run whose checkpoint holds its last round, resumed, completes its
+records and does nothing else.
 """
 
 from __future__ import annotations
@@ -13,6 +19,8 @@ import csv
 import io
 import json
 import math
+import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -21,11 +29,9 @@ import lightning as L
 import torch
 
 from fl_lightning.atomic import atomic_write_bytes
+from fl_lightning.federation import CLIENT_COLUMNS, federation_of
 from fl_lightning.loggers import update_wandb_summary
-
-# The run's accuracy: the global model's on the global test set, or, for model-heterogeneous methods
-# (no global model), the clients' own models on their own test sets (hetero_base.py).
-ACCURACY_KEYS = ("global/test_acc", "clients/test_acc")
+from fl_lightning.outcome import Outcome, outcome_of_exception
 
 
 def _number(value: Any) -> float | None:
@@ -39,7 +45,8 @@ def _number(value: Any) -> float | None:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
-    """The rows of a metrics.csv, numbers as floats (`round` as int); empty cells left out."""
+    """The rows of a metrics.csv (or clients.csv), numbers as floats (`round` as int); empty cells
+    left out."""
     with open(path, newline="") as f:
         rows = []
         for row in csv.DictReader(f):
@@ -53,20 +60,37 @@ def read_summary(run_dir: str | Path) -> dict[str, Any]:
     return json.loads((Path(run_dir) / "summary.json").read_text())
 
 
+def _csv_text(columns: list[str], rows: list[dict[str, float]], header: bool = True) -> str:
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=columns, lineterminator="\n")
+    if header:
+        writer.writeheader()
+    for row in rows:
+        writer.writerow({k: (repr(v) if isinstance(v, float) else v) for k, v in row.items()})
+    return text.getvalue()
+
+
+CLIENT_FILE_COLUMNS = ["round", *CLIENT_COLUMNS]
+
+
 class ResultsCallback(L.Callback):
-    """Writes metrics.csv and summary.json into the run directory (rank 0 only)."""
+    """Writes metrics.csv, clients.csv and summary.json into the run directory (rank 0 only)."""
 
     def __init__(self, run_dir: str | Path):
         super().__init__()
         self.run_dir = Path(run_dir)
         self.rows: list[dict[str, float]] = []
-        self.diverged = False
+        self.ended: Outcome | None = None  # an outcome an exception decided (signal, crash, lost)
+        self.ended_reason = ""
         self._elapsed_before = 0.0  # wall time of the run's earlier processes (resume)
         self._started = time.monotonic()
+        self._lock = threading.Lock()  # the CLI's process watchdog may record a lost process
 
     # ---- per round -------------------------------------------------------------------------
     def on_fit_start(self, trainer, pl_module) -> None:
         self._started = time.monotonic()
+        if trainer.is_global_zero:
+            self._truncate_clients_file(self.rows[-1]["round"] if self.rows else 0)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module) -> None:
         # Lightning only ever adds to `callback_metrics`, so a key logged in some rounds (the
@@ -78,71 +102,111 @@ class ResultsCallback(L.Callback):
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module) -> None:
         if trainer.sanity_checking:
             return
-        round_number = trainer.current_epoch + 1
-        row = {"round": round_number}
-        for key, value in sorted(trainer.callback_metrics.items()):
-            number = _number(value)
-            if number is not None and key not in ("round", "epoch"):
-                row[key] = number
-        self.rows = [r for r in self.rows if r["round"] < round_number] + [row]
-        self.write(trainer, pl_module, finished=False)
+        report = federation_of(trainer).round_report
+        if report.completed:
+            row = {"round": report.round}
+            for key, value in sorted(trainer.callback_metrics.items()):
+                number = _number(value)
+                if number is not None and key not in ("round", "epoch"):
+                    row[key] = number
+            self.rows = [r for r in self.rows if r["round"] < report.round] + [row]
+            if trainer.is_global_zero:
+                self._append_clients(report.round, report.clients)
+        self.write(trainer, pl_module)
 
-    def on_train_end(self, trainer: L.Trainer, pl_module) -> None:
-        done = bool(self.rows) and self.rows[-1]["round"] >= trainer.max_epochs
-        self.write(trainer, pl_module, finished=done)
+    def on_fit_end(self, trainer: L.Trainer, pl_module) -> None:
+        # also when the restored checkpoint holds the last round (nothing trains): the records
+        # of a run killed after its last checkpoint are completed here
+        self.write(trainer, pl_module)
 
     def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
-        from fl_lightning.federation import FLDivergedError
-
-        if isinstance(exception, FLDivergedError) and not str(exception).startswith("failed"):
-            self.diverged = True
-        self.write(trainer, pl_module, finished=False)
+        record = federation_of(trainer).record
+        if record.outcome.final:
+            return  # a signal (or any error) after the run's end changes nothing
+        self.ended, self.ended_reason = outcome_of_exception(exception)
+        try:
+            self.write(trainer, pl_module)
+        except OSError:
+            pass  # the disk that refused the round's write refuses this one too; the CLI says so
 
     # ---- files -----------------------------------------------------------------------------
     def wall_time(self) -> float:
         return self._elapsed_before + time.monotonic() - self._started
 
-    def summary(self, trainer: L.Trainer, pl_module, finished: bool) -> dict[str, Any]:
-        key = next((k for k in ACCURACY_KEYS if any(k in r for r in self.rows)), ACCURACY_KEYS[0])
+    def summary(self, trainer: L.Trainer, pl_module) -> dict[str, Any]:
+        federation = federation_of(trainer)
+        record, best = federation.record, federation.best
+        key = pl_module.accuracy_key
         scored = [r for r in self.rows if key in r and math.isfinite(r[key])]
         final = scored[-1] if scored else None
-        best = max(scored, key=lambda r: r[key]) if scored else None  # first of equals
-        failed = any(bool(getattr(cb, "_collapse", {}).get("failed_at")) for cb in trainer.callbacks)
+        outcome = self.ended or record.outcome
+        reason = self.ended_reason if self.ended else record.reason
+        rounds = self.rows[-1]["round"] if self.rows else 0
         return {
             "method": type(pl_module).__name__,
-            "rounds_completed": self.rows[-1]["round"] if self.rows else 0,
+            "outcome": outcome.value,
+            "reason": reason,
+            "rounds_completed": rounds,
             "max_rounds": trainer.max_epochs,
-            "finished": finished,
+            "finished": rounds >= trainer.max_epochs and outcome.final,
             "accuracy": key,
             "final_acc": final[key] if final else None,
             "final_round": final["round"] if final else None,
-            "best_acc": best[key] if best else None,
-            "best_round": best["round"] if best else None,
+            "best_acc": best.value if best.round is not None else None,
+            "best_round": best.round,
             "wall_time_s": round(self.wall_time(), 3),
-            "diverged": self.diverged or any(not math.isfinite(r.get("global/test_loss", 0.0)) for r in self.rows),
-            "failed": failed,
+            "diverged": outcome is Outcome.DIVERGED or Outcome.DIVERGED.value in record.marks,
+            "failed": outcome is Outcome.FAILED or Outcome.FAILED.value in record.marks,
             "last": {k: v for k, v in (self.rows[-1] if self.rows else {}).items() if k != "round"},
         }
 
-    def write(self, trainer: L.Trainer, pl_module, finished: bool) -> None:
+    def write(self, trainer: L.Trainer, pl_module) -> None:
         if not trainer.is_global_zero:
             return
-        columns = ["round", *sorted({k for r in self.rows for k in r} - {"round"})]
-        text = io.StringIO()
-        writer = csv.DictWriter(text, fieldnames=columns, lineterminator="\n")
-        writer.writeheader()
-        for row in self.rows:
-            writer.writerow({k: (repr(v) if isinstance(v, float) else v) for k, v in row.items()})
-        atomic_write_bytes(self.run_dir / "metrics.csv", text.getvalue().encode())
-        summary = self.summary(trainer, pl_module, finished)
-        atomic_write_bytes(self.run_dir / "summary.json", (json.dumps(summary, indent=1) + "\n").encode())
+        with self._lock:
+            columns = ["round", *sorted({k for r in self.rows for k in r} - {"round"})]
+            atomic_write_bytes(self.run_dir / "metrics.csv", _csv_text(columns, self.rows).encode())
+            summary = self.summary(trainer, pl_module)
+            atomic_write_bytes(self.run_dir / "summary.json", (json.dumps(summary, indent=1) + "\n").encode())
         update_wandb_summary(trainer.loggers, summary)
+
+    def record_lost(self, trainer: L.Trainer, pl_module, reason: str) -> None:
+        """The CLI's watchdog found a process of the run dead: the summary says so before the
+        process ends (called from another thread)."""
+        self.ended, self.ended_reason = Outcome.LOST, reason
+        self.write(trainer, pl_module)
+
+    def _clients_path(self) -> Path:
+        return self.run_dir / "clients.csv"
+
+    def _append_clients(self, round_number: int, clients: list[dict[str, float]]) -> None:
+        path = self._clients_path()
+        new = not path.exists()
+        rows = [{"round": round_number, **{k: c.get(k, "") for k in CLIENT_COLUMNS}} for c in clients]
+        with open(path, "a", newline="") as f:
+            f.write(_csv_text(CLIENT_FILE_COLUMNS, rows, header=new))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _truncate_clients_file(self, last_round: int) -> None:
+        """A resumed run replays the rounds after its checkpoint: their rows go (and a row cut
+        short by a kill), atomically."""
+        path = self._clients_path()
+        if not path.exists():
+            return
+        lines = path.read_text().splitlines(keepends=True)
+        kept = [lines[0]] if lines and lines[0].startswith("round,") else []
+        for line in lines[len(kept):]:
+            head = line.split(",", 1)[0]
+            if line.endswith("\n") and head.isdigit() and int(head) <= last_round:
+                kept.append(line)
+        if kept != lines:
+            atomic_write_bytes(path, "".join(kept).encode())
 
     # ---- resume ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"rows": self.rows, "diverged": self.diverged, "wall_time_s": self.wall_time()}
+        return {"rows": self.rows, "wall_time_s": self.wall_time()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.rows = list(state_dict.get("rows", []))
-        self.diverged = bool(state_dict.get("diverged", False))
         self._elapsed_before = float(state_dict.get("wall_time_s", 0.0))

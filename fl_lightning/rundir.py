@@ -23,16 +23,6 @@ LOCK_NAME = ".fl-lightning.lock"
 RUN_FILES = ("config.yaml", "checkpoints", "metrics.csv", "summary.json")
 
 
-def run_name_from_configs(config_files: list) -> str | None:
-    """`<setting>/<method>` from `--config <setting> --config <method> [...]`: the first file's stem,
-    then the others' joined by `+` (`fedconst_crossdevice_cifar10/fedavg+const`); a single file
-    names the run alone. None without a config file."""
-    stems = [Path(str(f)).stem for f in config_files or [] if Path(str(f)).suffix in (".yaml", ".yml", ".json")]
-    if not stems:
-        return None
-    return stems[0] if len(stems) == 1 else f"{stems[0]}/{'+'.join(stems[1:])}"
-
-
 def is_first_process() -> bool:
     """Rank 0 of node 0, read from the environment because the run directory is claimed before the
     Trainer exists (the other ranks of a DDP run, started by Lightning's launcher, torchrun or
@@ -64,7 +54,8 @@ class RunDirectory:
         os.write(fd, str(os.getpid()).encode())
         self._lock_fd = fd
         # left by a process killed mid-write (results, checkpoint, client-state files)
-        for directory in (self.root, self.root / "checkpoints", self.root / "checkpoints" / "client_states"):
+        states = self.root / "checkpoints" / "client_states"
+        for directory in (self.root, self.root / "checkpoints", states, *sorted(states.glob("rank*"))):
             remove_stray_temporaries(directory)
 
     def unlock(self) -> None:

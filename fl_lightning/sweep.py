@@ -44,12 +44,12 @@ import numpy as np
 import yaml
 
 from fl_lightning.atomic import atomic_write_bytes
-from fl_lightning.errors import FLUserError
+from fl_lightning.errors import FLUserError, OneLineArgumentParser
+from fl_lightning.outcome import read_outcome
 
 SEARCH_METHODS = ("grid", "random", "bayes")
 # Option keys that make runs of one experiment differ only by their seed (`report` groups over them).
 SEED_KEYS = ("seed_everything", "data.seed", "data.partition_seed")
-EXIT_DIVERGED = 3  # the CLI's exit code for a diverged (or collapse-stopped) run: final, not retried
 
 
 @dataclass
@@ -126,24 +126,74 @@ def _grid_values(spec: Spec, key: str, p: dict) -> list:
                       f"not a distribution")
 
 
-def _sample(spec: Spec, key: str, p: dict, rng: np.random.Generator):
-    """One draw from a W&B parameter definition (the distributions W&B's random search supports)."""
+NUMERIC_DISTRIBUTIONS = ("int_uniform", "uniform", "log_uniform_values", "q_uniform", "q_log_uniform_values")
+DISTRIBUTIONS = ("categorical", "constant", *NUMERIC_DISTRIBUTIONS, "normal")
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def distribution_of(spec: Spec, key: str, p: dict) -> str:
+    """The distribution a W&B parameter definition draws from, after checking the definition makes
+    sense (the same classes of mistakes W&B's own sweep server refuses): one line naming the
+    parameter and what is wrong otherwise."""
+    where = f"sweep spec {spec.path}: parameter {key}"
     if "value" in p:
-        return p["value"]
+        return "constant"
     dist = p.get("distribution", "categorical" if "values" in p else None)
     lo, hi = p.get("min"), p.get("max")
+    if dist is None and lo is not None and hi is not None:
+        dist = "int_uniform" if isinstance(lo, int) and isinstance(hi, int) else "uniform"
+    if dist not in DISTRIBUTIONS:
+        raise FLUserError(f"{where}: distribution {dist!r} is not supported by --local (use values, value, "
+                          f"{', '.join(NUMERIC_DISTRIBUTIONS)} or normal)")
     if dist == "categorical":
-        values, probs = p["values"], p.get("probabilities")
-        return values[int(rng.choice(len(values), p=probs))]
+        _check_categorical(where, p)
+    elif dist in NUMERIC_DISTRIBUTIONS:
+        _check_range(where, dist, p)
+    elif dist == "normal" and not (_number(p.get("mu", 0.0)) and _number(p.get("sigma", 1.0))
+                                   and p.get("sigma", 1.0) > 0):
+        raise FLUserError(f"{where}: normal needs a number mu and a number sigma > 0, got mu={p.get('mu')!r}, "
+                          f"sigma={p.get('sigma')!r}")
+    return dist
+
+
+def _check_categorical(where: str, p: dict) -> None:
+    values, probs = p.get("values"), p.get("probabilities")
+    if not isinstance(values, list) or not values:
+        raise FLUserError(f"{where}: `values` must be a non-empty list")
+    if probs is None:
+        return
+    if not isinstance(probs, list) or len(probs) != len(values) or not all(_number(q) and q >= 0 for q in probs):
+        raise FLUserError(f"{where}: `probabilities` must be {len(values)} numbers >= 0, one per value, got {probs!r}")
+    if abs(sum(probs) - 1.0) > 1e-6:
+        raise FLUserError(f"{where}: `probabilities` must sum to 1, they sum to {sum(probs):g}")
+
+
+def _check_range(where: str, dist: str, p: dict) -> None:
+    lo, hi = p.get("min"), p.get("max")
+    if not (_number(lo) and _number(hi)):
+        raise FLUserError(f"{where}: {dist} needs numbers min and max, got min={lo!r}, max={hi!r}")
+    if dist == "int_uniform" and not (isinstance(lo, int) and isinstance(hi, int)):
+        raise FLUserError(f"{where}: int_uniform needs integers min and max, got min={lo!r}, max={hi!r}")
+    if lo > hi:
+        raise FLUserError(f"{where}: min ({lo}) is greater than max ({hi})")
+    if "log" in dist and lo <= 0:
+        raise FLUserError(f"{where}: {dist} draws the logarithm of its values: min must be > 0, got {lo}")
+    if dist.startswith("q_") and not (_number(p.get("q", 1.0)) and p.get("q", 1.0) > 0):
+        raise FLUserError(f"{where}: q must be a number > 0 (values are rounded to multiples of q), "
+                          f"got {p.get('q')!r}")
+
+
+def _sample(spec: Spec, key: str, p: dict, rng: np.random.Generator):
+    """One draw from a W&B parameter definition (the distributions W&B's random search supports)."""
+    dist = distribution_of(spec, key, p)
+    lo, hi = p.get("min"), p.get("max")
     if dist == "constant":
         return p["value"]
-    if dist in ("int_uniform", "uniform", "log_uniform_values", "q_uniform", "q_log_uniform_values") and (
-            lo is None or hi is None):
-        raise FLUserError(f"sweep spec {spec.path}: parameter {key}: distribution {dist} needs min and max")
-    if dist is None and isinstance(lo, int) and isinstance(hi, int):
-        dist = "int_uniform"
-    elif dist is None and lo is not None and hi is not None:
-        dist = "uniform"
+    if dist == "categorical":
+        return p["values"][int(rng.choice(len(p["values"]), p=p.get("probabilities")))]
     if dist == "int_uniform":
         return int(rng.integers(int(lo), int(hi) + 1))
     if dist == "uniform":
@@ -154,11 +204,7 @@ def _sample(spec: Spec, key: str, p: dict, rng: np.random.Generator):
         q = p.get("q", 1.0)
         x = rng.uniform(lo, hi) if dist == "q_uniform" else math.exp(rng.uniform(math.log(lo), math.log(hi)))
         return float(round(x / q) * q)
-    if dist == "normal":
-        return float(rng.normal(p.get("mu", 0.0), p.get("sigma", 1.0)))
-    raise FLUserError(f"sweep spec {spec.path}: parameter {key}: distribution {dist!r} is not supported by "
-                      f"--local (use values, value, int_uniform, uniform, log_uniform_values, q_uniform, "
-                      f"q_log_uniform_values or normal)")
+    return float(rng.normal(p.get("mu", 0.0), p.get("sigma", 1.0)))
 
 
 def expand(spec: Spec, seed: int = 0, count: int | None = None) -> list[dict[str, Any]]:
@@ -166,16 +212,23 @@ def expand(spec: Spec, seed: int = 0, count: int | None = None) -> list[dict[str
     search (`count` or the spec's `run_cap` draws from a generator seeded with `seed`)."""
     params = spec.config["parameters"]
     method = spec.config["method"]
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise FLUserError(f"--count {count}: the number of runs must be at least 1")
     if method == "grid":
         keys = list(params)
         grid = [dict(zip(keys, combo, strict=True))
                 for combo in itertools.product(*(_grid_values(spec, k, params[k]) for k in keys))]
         return grid[:count] if count else grid
     if method == "random":
-        count = count or spec.config.get("run_cap")
-        if not count or int(count) < 1:
+        cap = spec.config.get("run_cap")
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 1):
+            raise FLUserError(f"sweep spec {spec.path}: run_cap must be a whole number of runs >= 1, got {cap!r}")
+        count = count or cap
+        if not count:
             raise FLUserError(f"sweep spec {spec.path}: random search needs a number of runs: `run_cap` in the "
                               f"spec or --count N")
+        for key, p in params.items():  # every definition checked before the first draw
+            distribution_of(spec, key, p)
         rng = np.random.default_rng(seed)
         return [{k: _sample(spec, k, p, rng) for k, p in params.items()} for _ in range(int(count))]
     raise FLUserError(f"sweep spec {spec.path}: --local runs grid and random searches; bayes needs the W&B "
@@ -266,43 +319,28 @@ def fl_args(spec: Spec, params: dict[str, Any]) -> list[str]:
     return out
 
 
-class _Captured(BaseException):  # not an Exception: passes the CLI's own error handling untouched
-    pass
-
-
 @functools.cache
 def cli_parser():
     """The CLI's own parser (LightningCLI with every fl-lightning option), built once: building it
     takes most of a `--print_config`, and a table has hundreds of commands to check."""
-    from fl_lightning import cli
+    from fl_lightning.lightning_cli import build_parser
 
-    original = cli.FLCLI.parse_arguments
-
-    def capture(self, parser, args):
-        raise _Captured(parser)
-
-    cli.FLCLI.parse_arguments = capture
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            cli.main(["fit"])
-    except _Captured as got:
-        return got.args[0]
-    finally:
-        cli.FLCLI.parse_arguments = original
-    raise RuntimeError("the CLI did not reach argument parsing")
+    with contextlib.redirect_stderr(io.StringIO()):
+        return build_parser()
 
 
 def parse_with_cli(args: list[str]) -> dict:
     """Parse one fl-lightning command as the CLI does (the same parser, --config files and all) and
     return the resolved config of its subcommand; raises FLUserError with the CLI's own one-line
     message if it does not parse."""
-    from fl_lightning.cli import _one_line
+    from fl_lightning.config_files import layered_config_args
+    from fl_lightning.lightning_cli import one_line_error
 
     try:
         with contextlib.redirect_stderr(io.StringIO()):
-            cfg = cli_parser().parse_args(list(args))
+            cfg = cli_parser().parse_args(layered_config_args(list(args)))
     except Exception as err:
-        reported = _one_line(err)
+        reported = one_line_error(err, list(args))
         raise FLUserError(reported[0] if reported else str(err).strip().splitlines()[0]) from None
     return cfg[cfg.subcommand].as_dict()
 
@@ -348,16 +386,13 @@ def read_json(path: Path) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def run_state(run_dir: Path, record: dict | None) -> str:
-    """finished / diverged / failed (final: not run again), resume (has a checkpoint), restart
-    (used directory without a checkpoint) or new."""
-    summary = read_json(run_dir / "summary.json")
-    if summary and summary.get("finished"):
-        return "finished"
-    if summary and summary.get("diverged"):
-        return "diverged"
-    if record and record.get("exit_code") == EXIT_DIVERGED:
-        return "failed" if summary and summary.get("failed") else "diverged"
+def run_state(run_dir: Path) -> str:
+    """The run's final outcome (finished, diverged or failed: not run again; outcome.read_outcome,
+    the one reader of outcomes), else resume (has a checkpoint), restart (used directory without a
+    checkpoint) or new."""
+    outcome = read_outcome(run_dir)
+    if outcome is not None and outcome.final:
+        return outcome.value
     if (run_dir / "checkpoints" / "last.ckpt").exists():
         return "resume"
     if run_dir.exists() and any(run_dir.iterdir()):
@@ -439,7 +474,7 @@ class LocalSweep:
         return record
 
     def command(self, run: PlannedRun) -> tuple[list[str], str]:
-        state = run_state(self.sweep_dir / run.name, read_json(self.record_path(run)))
+        state = run_state(self.sweep_dir / run.name)
         extra = {"resume": ["--ckpt_path=last"], "restart": ["--overwrite=true"]}.get(state, [])
         return [*run.args, *extra], state
 
@@ -484,8 +519,8 @@ class LocalSweep:
                     self.procs.pop(worker, None)
             if self.stopping:
                 return
-            record = self.write_record(run, exit_code=code, ended=time.time())
-            final = run_state(self.sweep_dir / run.name, record)
+            self.write_record(run, exit_code=code, ended=time.time())
+            final = run_state(self.sweep_dir / run.name)
             if final in FINAL_STATES:
                 summary = read_json(self.sweep_dir / run.name / "summary.json") or {}
                 acc = summary.get("final_acc")
@@ -504,7 +539,7 @@ class LocalSweep:
         todo: queue.Queue = queue.Queue()
         for run in self.runs:
             todo.put(run)
-        already = sum(run_state(self.sweep_dir / r.name, read_json(self.record_path(r))) in FINAL_STATES
+        already = sum(run_state(self.sweep_dir / r.name) in FINAL_STATES
                       for r in self.runs)
         print(f"sweep {self.spec.name}: {len(self.runs)} runs ({already} already done) on {len(self.envs)} "
               f"worker{'s' if len(self.envs) != 1 else ''} in {self.sweep_dir}", flush=True)
@@ -605,13 +640,8 @@ def online(spec: Spec, gpus: list[str] | None, workers: int, count: int | None, 
 # Command line
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, like the rest of the CLI
-        raise FLUserError(f"{message} (see fl-lightning sweep --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="fl-lightning sweep", description=__doc__.split("\n\n")[0])
+    p = OneLineArgumentParser(prog="fl-lightning sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("spec", help="a W&B sweep spec (configs/sweeps/*.yaml) or a paper table (configs/tables/*.yaml)")
     p.add_argument("--local", action="store_true", help="expand and run the sweep here, offline, without W&B")
     p.add_argument("--workers", type=int, default=None,

@@ -1,4 +1,5 @@
-"""What a client sends to the server, and the server's averaging, shared by every method.
+"""What a client sends to the server, what the server step returns, and the server's averaging,
+shared by every method.
 
 An upload says in its type what each tensor is for: `weights` are averaged; control-variate
 deltas are summed over the round's clients; prototypes are pooled per class; label counts and
@@ -37,6 +38,11 @@ class ClientUpload:
         prototypes: class -> the client's feature prototype (FedProto, FedTGP, FedORGP).
         label_counts: samples per class (FedGen weights the clients' heads by them).
         local_steps: the number of local steps taken (FedNova normalises the update by it).
+        kept: the client's own persistent state after this round (SCAFFOLD's c_i, FedDyn's g_i,
+            MOON's previous model, Ditto's personal model, FedPer/FedRep's head, a heterogeneous
+            client's model, FedKD's W_h): never sent, never aggregated. The round callback stores
+            it in the client-state store once it has checked the upload (a client whose upload is
+            rejected as non-finite keeps its previous state), and clears this field.
     """
 
     client: int
@@ -47,14 +53,35 @@ class ClientUpload:
     prototypes: dict[int, torch.Tensor] = field(default_factory=dict)
     label_counts: torch.Tensor | None = None
     local_steps: int | None = None
+    kept: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def all_tensors(self) -> Iterator[torch.Tensor]:
-        """Every tensor the upload carries (finiteness checks, byte counts)."""
+        """Every tensor the upload carries, and the state the client keeps (finiteness checks)."""
         yield from self.weights.values()
         yield from self.control_delta.values()
         yield from self.prototypes.values()
         if self.label_counts is not None:
             yield self.label_counts
+        yield from self.kept.values()
+
+
+@dataclass
+class ServerUpdate:
+    """What a method's server step returns (as Flower's `aggregate_fit` returns parameters and
+    metrics): the round callback checks it for NaN/inf, applies it, syncs it and logs it; the
+    server step itself changes nothing.
+
+    Attributes:
+        global_state: the model every client starts from next round (`self.model`'s new
+            state_dict); None for methods without a global model.
+        server_state: new values of the method's `ServerState` entries (by entry name), e.g.
+            {"c": {...}} for SCAFFOLD; entries not named keep their value.
+        metrics: the server step's own figures (e.g. FedNova's tau_eff), logged with the round.
+    """
+
+    global_state: dict[str, torch.Tensor] | None = None
+    server_state: dict[str, object] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def all_finite(tensors: Mapping[str, torch.Tensor] | ClientUpload) -> bool:
@@ -167,4 +194,5 @@ def _map_tensors(upload: ClientUpload, fn: Callable[[torch.Tensor], torch.Tensor
         control_delta={k: fn(v) for k, v in upload.control_delta.items()},
         prototypes={k: fn(v) for k, v in upload.prototypes.items()},
         label_counts=None if upload.label_counts is None else fn(upload.label_counts),
+        kept={k: fn(v) for k, v in upload.kept.items()},
     )

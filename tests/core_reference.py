@@ -39,20 +39,19 @@ def _cpu(tensors: dict) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
 
 
-def _fit(method, dm) -> None:
+def _fit(method, dm) -> L.Trainer:
     trainer = L.Trainer(max_epochs=ROUNDS, reload_dataloaders_every_n_epochs=1, num_sanity_val_steps=0,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, accelerator="cpu", devices=1,
                         callbacks=[FederatedCallback(eval_local_models=False)])
     trainer.fit(method, dm)
+    return trainer
 
 
 def client_state(method, client: int) -> dict[str, torch.Tensor] | None:
-    """A client's persistent state, wherever the core keeps it."""
-    store = getattr(method, "client_store", None)
-    if store is not None:
-        return store.get(client)
-    return method.client_states.get(client)
+    """SCAFFOLD's c_i of a client, wherever the core keeps it (the v3 core: the client-state store,
+    under "c.")."""
+    return method.client_state(client, "c.")
 
 
 def client_model_state(method, client: int) -> dict[str, torch.Tensor]:
@@ -66,8 +65,13 @@ def run(name: str) -> dict[str, torch.Tensor]:
     if name == "FedORGP":
         dm = FederatedDataModule(**{**DATA, "client_test_fraction": 0.25})
         method = FedORGP(model="mlp,fedavg_cnn", feature_dim=8, lr=0.05, server_epochs=2, data_spec=dm.spec)
-        _fit(method, dm)
-        out.update({f"module.{k}": v for k, v in _cpu(method.state_dict()).items()})
+        trainer = _fit(method, dm)
+        # the v3 core keeps server state in `method.server` (state_dict keys "server.*") and the
+        # run's best accuracy in the round callback (once buffers best_acc, best_round 0-based)
+        out.update({f"module.{k.removeprefix('server.')}": v for k, v in _cpu(method.state_dict()).items()})
+        best = trainer.callbacks[0].best
+        out["module.best_acc"] = torch.tensor(best.value, dtype=torch.float32)
+        out["module.best_round"] = torch.tensor(best.round - 1)
         for c in range(DATA["num_clients"]):
             out.update({f"client{c}.{k}": v for k, v in client_model_state(method, c).items()})
         return out
@@ -86,7 +90,7 @@ def run(name: str) -> dict[str, torch.Tensor]:
     _fit(method, dm)
     out.update({f"model.{k}": v for k, v in _cpu(method.model.state_dict()).items()})
     if name == "SCAFFOLD":
-        out.update({f"server_c.{k}": v for k, v in _cpu(method.server_c).items()})
+        out.update({f"server_c.{k}": v for k, v in _cpu(method.server["c"]).items()})
         for c in range(DATA["num_clients"]):
             state = client_state(method, c)
             if state is not None:

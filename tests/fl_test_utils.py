@@ -28,7 +28,7 @@ def register_tensors(x_train, y_train, x_test=None, y_test=None, num_classes=Non
     y_test = y_train if y_test is None else y_test
     name = f"toy{next(_counter)}"
     spec = DataSpec(int(num_classes or int(y_train.max()) + 1), x_train.shape[1], x_train.shape[-1])
-    register_dataset(name, spec, lambda seed: (tensor_dataset(x_train, y_train), tensor_dataset(x_test, y_test)))
+    register_dataset(name, spec, lambda request: (tensor_dataset(x_train, y_train), tensor_dataset(x_test, y_test)))
     return name
 
 
@@ -158,3 +158,19 @@ def reproducible_rows(rows: list[dict]) -> list[dict]:
     """metrics.csv rows without perf/* (a run's own clock: the only columns that differ between
     a run and its exact repetition)."""
     return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows]
+
+
+def server_round(method, uploads):
+    """The method's server step on `uploads` (a list or RoundUploads), applied as the round
+    callback applies it; the step itself must change nothing (the contract: it returns its
+    result), which this checks on the module's state_dict."""
+    from fl_lightning.uploads import RoundUploads
+
+    before = {k: v.detach().clone() for k, v in method.state_dict().items()}
+    update = method.server_step(uploads if isinstance(uploads, RoundUploads) else RoundUploads(uploads))
+    after = method.state_dict()
+    assert before.keys() == after.keys()
+    for key, value in before.items():
+        assert torch.equal(value, after[key]), f"server_step changed {key}"
+    method.apply_server_update(update)
+    return update

@@ -1,7 +1,10 @@
-"""Test-only callback that kills its own process with SIGKILL (no clean-up, like the OOM killer or
-a lost node) at a chosen point of a chosen round, or sends itself SIGTERM (a preempted job).
-Loaded into CLI subprocesses with `--trainer.callbacks+=<json>` and PYTHONPATH=tests."""
+"""Test-only callbacks that make a CLI run fail the way runs fail, at an exact point (whatever the
+machine's load): `KillSwitch` kills its own process with SIGKILL (no clean-up, like the OOM killer
+or a lost node) or sends it a signal (a preempted job, an impatient Ctrl-C); `DiskFault` makes the
+disk refuse writes (full, read-only). Loaded into CLI subprocesses with
+`--trainer.callbacks+=<json>` and PYTHONPATH=tests."""
 
+import errno
 import os
 import signal
 
@@ -13,16 +16,28 @@ import fl_lightning.atomic as atomic
 class KillSwitch(L.Callback):
     """`where`: "train" (after the round's first client trained), "eval" (during the global evaluation),
     "write" (inside the checkpoint write: the temporary file is half written, then the process
-    dies before the rename). `round` is 1-based. `sig` is the signal's name."""
+    dies before the rename), "end" (after the last round, its checkpoint and records: the run is
+    over). `round` is 1-based. `sig` is the signal's name. `rank`: fire only in the process of this
+    global rank (None: every process). `then`: a second signal sent while the first one is being
+    handled (from Lightning's exception hooks). `group`: the signal goes to the whole process group
+    (a local sweep started in a session of its own, with every run it started). `armed_by`: fire
+    only when this environment variable is set (so the same command can run again unharmed)."""
 
-    def __init__(self, round: int, where: str = "train", sig: str = "SIGKILL"):
-        self.round, self.where, self.sig = round, where, getattr(signal, sig)
+    def __init__(self, round: int, where: str = "train", sig: str = "SIGKILL", rank: int | None = None,
+                 then: str | None = None, group: bool = False, armed_by: str | None = None):
+        self.round, self.where, self.sig, self.rank = round, where, getattr(signal, sig), rank
+        self.then = getattr(signal, then) if then else None
+        self.group, self.armed = group, armed_by is None or bool(os.environ.get(armed_by))
 
     def _fire(self) -> None:
+        if not self.armed:
+            return
+        if self.group:
+            os.killpg(os.getpgrp(), self.sig)
         os.kill(os.getpid(), self.sig)
 
     def _this_round(self, trainer) -> bool:
-        return trainer.current_epoch + 1 == self.round
+        return trainer.current_epoch + 1 == self.round and (self.rank is None or trainer.global_rank == self.rank)
 
     def setup(self, trainer, pl_module, stage) -> None:
         if self.where != "write":
@@ -48,3 +63,38 @@ class KillSwitch(L.Callback):
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
         if self.where == "eval" and self._this_round(trainer) and not trainer.sanity_checking:
             self._fire()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.where == "end" and (self.rank is None or trainer.global_rank == self.rank):
+            self._fire()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if self.then is not None:
+            os.kill(os.getpid(), self.then)
+
+
+class DiskFault(L.Callback):
+    """From round `round` (1-based) on, every atomic write (results, checkpoints, client-state
+    files) fails with `error` ("ENOSPC": the disk is full; "EROFS": it is read-only), as the OS
+    would report it; `round` 0 fails from the start of the fit."""
+
+    def __init__(self, round: int, error: str = "ENOSPC"):
+        self.round, self.errno = round, getattr(errno, error)
+
+    def _break(self) -> None:
+        code = self.errno
+
+        def refuse(path, mode="r", *args, **kwargs):
+            if any(m in mode for m in "wax+"):
+                raise OSError(code, os.strerror(code), str(path))
+            return open(path, mode, *args, **kwargs)
+
+        atomic.open = refuse  # the module's writes find this before the builtin
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.round == 0:
+            self._break()
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        if self.round and trainer.current_epoch + 1 == self.round:
+            self._break()

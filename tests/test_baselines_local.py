@@ -129,7 +129,7 @@ def test_moon_step_matches_reference_with_a_previous_model():
     method, dm, x, y, w0 = setup(MOON, steps=2, mu=mu, tau=tau)
     torch.manual_seed(1)
     prev = {k: v + 0.3 * torch.randn_like(v) for k, v in w0.items()}
-    method.client_states[0] = prev  # this client's previous local model
+    method.client_states[0] = {f"previous.{k}": v for k, v in prev.items()}  # this client's previous local model
     with torch.no_grad():
         zg, zp = features(method.model, w0, x), features(method.model, prev, x)
 
@@ -148,8 +148,8 @@ def test_moon_step_matches_reference_with_a_previous_model():
     assert_weights(method, expected)
     # the client's previous model is now its upload, kept on CPU
     for k, v in method.model.state_dict().items():
-        assert method.client_states[0][k].device.type == "cpu"
-        assert torch.equal(method.client_states[0][k], v.cpu())
+        assert method.client_states[0][f"previous.{k}"].device.type == "cpu"
+        assert torch.equal(method.client_state(0, "previous.")[k], v.cpu())
 
 
 class RecordingMOON(MOON):
@@ -157,9 +157,9 @@ class RecordingMOON(MOON):
         super().client_start(client, num_samples)
         self.seen.append((client, params(self.prev_model)))
 
-    def aggregate(self, uploads):
+    def server_step(self, uploads):
         self.uploads.append({u.client: {k: v.cpu().clone() for k, v in u.weights.items()} for u in uploads})
-        super().aggregate(uploads)
+        return super().server_step(uploads)
 
 
 def test_moon_previous_model_starts_as_initial_global_model():

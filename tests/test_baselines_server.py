@@ -14,7 +14,7 @@ from fl_lightning.data.datamodule import sample_clients
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods import SCAFFOLD, FedDyn, FedExP, FedNova
 from fl_lightning.methods.baselines.fedexp import fedexp_step_size
-from fl_lightning.state import effective_steps
+from fl_lightning.methods.baselines.local_steps import effective_steps
 
 LR, MOM, WD = 0.1, 0.9, 1e-3
 # 3 clients of different sizes, 2 sampled per round: N (all clients) differs from |S| (sampled)
@@ -68,9 +68,9 @@ def test_scaffold_corrected_gradient_and_control_variates(momentum_correction):
     torch.manual_seed(1)
     c = {k: 0.1 * torch.randn_like(v) for k, v in w0.items()}
     ci = {k: {n: 0.1 * torch.randn_like(v) for n, v in w0.items()} for k in range(3)}
-    method.server_c = {k: v.clone() for k, v in c.items()}
+    method.server.assign({"c": c})  # SCAFFOLD's server state
     first = sampled[0]
-    method.client_states[first] = {k: v.clone() for k, v in ci[first].items()}  # the other starts at 0
+    method.client_states[first] = {f"c.{k}": v.clone() for k, v in ci[first].items()}  # the other starts at 0
     ci[sampled[1]] = {k: torch.zeros_like(v) for k, v in w0.items()}
 
     local, new_ci = {}, {}
@@ -94,20 +94,20 @@ def test_scaffold_corrected_gradient_and_control_variates(momentum_correction):
     got = dict(method.model.named_parameters())
     for n in w0:
         close(got[n].detach(), expected_w[n])
-        close(method.server_c[n], expected_c[n])
+        close(method.server["c"][n], expected_c[n])
         for k in sampled:
-            close(method.client_states[k][n], new_ci[k][n])
-            assert method.client_states[k][n].device.type == "cpu"
+            close(method.client_state(k, "c.")[n], new_ci[k][n])
+            assert method.client_states[k][f"c.{n}"].device.type == "cpu"
     assert set(method.client_states) == set(sampled)  # no state for the client that did not take part
 
 
 # ---- FedNova ----------------------------------------------------------------------------------
 class RecordingFedNova(FedNova):
-    def aggregate(self, uploads):
+    def server_step(self, uploads):
         sent = [(u.client, u.num_samples, {k: v.clone() for k, v in u.weights.items()}, u.local_steps)
                 for u in uploads]
         self.recorded = ({k: v.clone() for k, v in self.global_params().items()}, sent)
-        super().aggregate(uploads)
+        return super().server_step(uploads)
 
 
 def test_fednova_normalised_averaging():
@@ -140,9 +140,9 @@ def test_feddyn_client_and_server_state():
     torch.manual_seed(1)
     h = {n: 0.1 * torch.randn_like(v) for n, v in w0.items()}
     gi = {k: {n: 0.1 * torch.randn_like(v) for n, v in w0.items()} for k in sampled}
-    method.server_h = {n: v.clone() for n, v in h.items()}
+    method.server.assign({"h": h})  # FedDyn's server state
     for k in sampled:
-        method.client_states[k] = {n: v.clone() for n, v in gi[k].items()}
+        method.client_states[k] = {f"g.{n}": v.clone() for n, v in gi[k].items()}
     local = {}
     for k in sampled:
         base = ce_grad(method.model, x[PARTS[k]], y[PARTS[k]])
@@ -159,9 +159,9 @@ def test_feddyn_client_and_server_state():
     got = dict(method.model.named_parameters())
     for n in w0:
         close(got[n].detach(), expected[n])
-        close(method.server_h[n], new_h[n])
+        close(method.server["h"][n], new_h[n])
         for k in sampled:
-            close(method.client_states[k][n], gi[k][n] - alpha * (local[k][n] - w0[n]))
+            close(method.client_state(k, "g.")[n], gi[k][n] - alpha * (local[k][n] - w0[n]))
     assert set(method.client_states) == set(sampled)
 
 
@@ -191,9 +191,12 @@ class RecordingFedExP(FedExP):
         super().round_start(round_idx, clients)
         self.starts.append({k: v.clone() for k, v in self.global_weights.items()})
 
-    def aggregate(self, uploads):
+    def server_step(self, uploads):
         self.recorded = [(u.num_samples, {k: v.clone() for k, v in u.weights.items()}) for u in uploads]
-        super().aggregate(uploads)
+        return super().server_step(uploads)
+
+    def apply_server_update(self, update):
+        super().apply_server_update(update)
         self.reported.append({k: v.clone() for k, v in self.model.state_dict().items()})
 
 
@@ -213,7 +216,7 @@ def test_fedexp_server_step_and_reported_average():
     p = [n / sum(sizes) for n in sizes]
     for k in w0:
         w2 = w1[k] + eta * sum(pi * d[k] for pi, d in zip(p, deltas, strict=True))
-        close(method.iterate[k], w2)
+        close(method.server["iterate"][k], w2)
         close(dict(method.model.named_parameters())[k].detach(), (w2 + w1[k]) / 2)
 
 

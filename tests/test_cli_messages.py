@@ -8,9 +8,10 @@ import pytest
 from jsonargparse import ArgumentParser
 
 from fl_lightning import methods
-from fl_lightning.cli import _method_names, main
+from fl_lightning.cli import main
 from fl_lightning.data.datamodule import FederatedDataModule
 from fl_lightning.federation import FederatedCallback
+from fl_lightning.lightning_cli import _method_names
 from fl_lightning.personalization import PersonalizationCallback
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,13 +40,13 @@ MALFORMED = [
     (["CONFIG", "tabs.yaml"], ["tabs.yaml is not valid YAML", "line 2"]),
     (["CONFIG", "unknown_section.yaml"], ["unknown option 'traner.max_epochs'", "did you mean 'trainer.max_epochs'"]),
     (["CONFIG", "typo_data.yaml"], ["unknown option 'data.datset'", "did you mean 'data.dataset'"]),
-    (["CONFIG", "missing.yaml"], ["missing.yaml does not exist"]),
+    (["CONFIG", "missing.yaml"], ["missing.yaml: no such file"]),
     # unknown options and subcommands
     (["--data.datset", "digits"], ["--data.datset", "did you mean 'data.dataset'"]),
     (["--trainer.max_epochz", "3"], ["--trainer.max_epochz", "did you mean 'trainer.max_epochs'"]),
     (["--model.init_args.rhoo", "1"], ["model.init_args.rhoo", "did you mean 'rho'"]),
     (["--model", "FedSOL", "--model.init_args.lam", "1"], ["model.init_args.lam", "FedSOL's options: rho"]),
-    (["RAW"], ["no subcommand", "fit, validate, test"]),
+    (["RAW"], ["no subcommand", "fit, validate, test, analyze, sweep, report"]),
     (["RAW", "fitt"], ["unknown subcommand 'fitt'", "fit, validate, test"]),
     (["RAW", "predict"], ["unknown subcommand 'predict'", "fit, validate, test"]),
     (["--model", "FedFoo"], ["unknown method 'FedFoo'", "FedAvg", "FedSOL"]),
@@ -98,6 +99,12 @@ MALFORMED = [
     (["--data.resize", "0"], ["resize must be a positive image size"]),
     (["--federation.local_eval_samples", "-1"], ["federation.local_eval_samples must be >= 0"]),
     (["--federation.collapse_rounds", "-1"], ["federation.collapse_rounds must be >= 0"]),
+    # seeds numpy would refuse deep inside, and a model whose layers cannot take the data's images
+    (["--data.seed", "-1"], ["data.seed must be in 0 .. 2^32 - 1"]),
+    (["--data.partition_seed", "-3"], ["data.partition_seed must be in 0 .. 2^32 - 1"]),
+    (["--model.init_args.model", "cnn4"], ["model cnn4 cannot take 1x8x8 images", "models that can: fedavg_cnn"]),
+    (["--model", "FedProto", "--model.init_args.model", "mlp,cnn4", "--data.client_test_fraction", "0.25"],
+     ["model cnn4 cannot take 1x8x8 images"]),
 ]
 
 
@@ -165,6 +172,7 @@ def test_help_lists_methods_not_bases_and_no_predict(capsys):
     assert "fl_lightning.methods.FedAvg" in known and "fl_lightning.methods.FedORGP" in known
     for base in ("FederatedMethod,", "HeteroMethod", "PrototypeMethod", "SharedHeadMethod", "ProximalMethod"):
         assert base not in known
-    with pytest.raises(SystemExit):
-        main(["--help"])
-    assert "predict" not in capsys.readouterr().out
+    main(["--help"])  # the command's own help: every subcommand, what the tool is
+    out = capsys.readouterr().out
+    assert "predict" not in out and "Lightning Trainer command line tool" not in out
+    assert "{fit,validate,test,analyze,sweep,report}" in out and "Federated-learning research methods" in out

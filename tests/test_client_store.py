@@ -46,13 +46,17 @@ def test_checkpoint_writes_only_changed_states_and_keeps_what_the_last_two_check
     written = store.bytes_written
     store[1] = state(10.0)  # one client trained
     second = store.checkpoint_state()
-    assert store.bytes_written - written == Path(second["manifest"][1]).stat().st_size  # only client 1
+
+    def file(record):  # a manifest entry: [name in the store's folder, size, checksum]
+        return tmp_path / record[0]
+
+    assert store.bytes_written - written == file(second["manifest"][1]).stat().st_size  # only client 1
     assert second["manifest"][0] == first["manifest"][0]
-    assert Path(first["manifest"][1]).exists()  # the previous checkpoint may still be the one on disk
+    assert file(first["manifest"][1]).exists()  # the previous checkpoint may still be the one on disk
     store[1] = state(11.0)
     third = store.checkpoint_state()
-    assert not Path(first["manifest"][1]).exists()  # named by neither of the last two checkpoints
-    assert Path(second["manifest"][1]).exists()
+    assert not file(first["manifest"][1]).exists()  # named by neither of the last two checkpoints
+    assert file(second["manifest"][1]).exists()
     resumed = ClientStateStore(tmp_path)
     resumed.load_checkpoint_state(third)
     assert float(resumed[1]["w"][0]) == 11.0 and float(resumed[3]["w"][0]) == 3.0
@@ -72,7 +76,7 @@ def test_a_cache_of_one_gives_the_same_run_as_an_unlimited_cache(tmp_path):
     one = _scaffold_run(1, tmp_path / "b")
     assert len(unlimited.client_states) >= 3
     assert len(one.client_states._cache) == 1
-    assert any((tmp_path / "b" / "client_states" / "states").glob("client*.safetensors"))
+    assert any((tmp_path / "b" / "client_states").glob("client*.safetensors"))
     assert_same_run(unlimited, one)
 
 
@@ -137,10 +141,10 @@ class BytesPerCheckpoint(ModelCheckpoint):
         self.marks = []
 
     def on_train_epoch_start(self, trainer, pl_module):
-        self.marks.append(pl_module.client_model_states.bytes_written)
+        self.marks.append(pl_module.client_states.bytes_written)
 
     def on_train_end(self, trainer, pl_module):
-        self.marks.append(pl_module.client_model_states.bytes_written)
+        self.marks.append(pl_module.client_states.bytes_written)
 
     @property
     def written(self):
@@ -177,7 +181,7 @@ class CountsLiveClientModels(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, *args):
         gc.collect()
         self.modules.append(sum(isinstance(o, PooledFeatureModel) for o in gc.get_objects()))
-        self.cached.append(len(pl_module.client_model_states._cache))
+        self.cached.append(len(pl_module.client_states._cache))
 
 
 def _hetero_digits_run(method_cls, cache_size, root, rounds=2, callbacks=(), ckpt_path=None):
@@ -204,7 +208,7 @@ def test_heterogeneous_client_models_live_in_the_store(tmp_path, method_cls):
     unlimited = _hetero_digits_run(method_cls, 0, tmp_path / "all")
     assert max(counter.cached) <= 1
     assert max(counter.modules) <= 2, counter.modules  # the architectures' modules, not 6 clients'
-    assert len(list((tmp_path / "one" / "ckpt" / "client_states" / "models").glob("client*.safetensors"))) >= 6
+    assert len(list((tmp_path / "one" / "ckpt" / "client_states").glob("client*.safetensors"))) >= 6
     for a, b in zip(_client_weights(one), _client_weights(unlimited), strict=True):
         assert_same_tensors(a, b)
     assert_same_tensors(one.state_dict(), unlimited.state_dict())  # the server state too

@@ -87,9 +87,9 @@ def test_ditto_personal_model_is_ce_plus_prox_sgd_from_the_global_model_and_glob
             return dict(zip(w, torch.autograd.grad(loss, list(w.values())), strict=True))
 
         expected = reference_sgd(w0, grad_fn, steps=2, **OPT)
-        assert_close_tensors(method.client_states[client], expected)
+        assert_close_tensors(method.client_state(client, "personal."), expected)
         # the prox term matters: without it v_k would be the client's FedAvg model
-        assert not torch.allclose(method.client_states[client]["head.weight"],
+        assert not torch.allclose(method.client_state(client, "personal.")["head.weight"],
                                   method.sent[client].weights["head.weight"], atol=1e-6)
 
     torch.manual_seed(0)
@@ -104,7 +104,7 @@ def test_ditto_with_lambda_zero_personal_model_is_the_local_fedavg_model():
     """lam = 0: v_k takes the same steps from the same start as the global track."""
     method, _, _ = ditto_round(lam=0.0)
     for u in method.sent:
-        assert_close_tensors(method.client_states[u.client], u.weights, atol=1e-7)
+        assert_close_tensors(method.client_state(u.client, "personal."), u.weights, atol=1e-7)
 
 
 def test_ditto_uploads_only_the_global_track_model():
@@ -126,7 +126,7 @@ def test_ditto_personal_model_is_v_k_and_leaves_the_global_model_alone():
     for client in (0, 1):
         pm = method.personal_model(client)
         assert pm is not method.model
-        assert_same_tensors(params(pm), method.client_states[client])
+        assert_same_tensors(params(pm), method.client_state(client, "personal."))
         with torch.no_grad():  # a change to the returned model must not reach the method
             pm.head.weight.add_(1.0)
     assert_same_tensors(params(method.model), global_before)

@@ -2,7 +2,7 @@
 
 import numpy as np
 import torch
-from fl_test_utils import fit, register_tensors, toy_data
+from fl_test_utils import fit, register_tensors, server_round, toy_data
 
 from fl_lightning.data.datamodule import FederatedDataModule, sample_clients
 from fl_lightning.methods import FedAvg
@@ -29,7 +29,7 @@ def test_fedavg_aggregate_weights_by_sample_count():
     ups = []
     for client, n, shift in [(0, 10, 1.0), (1, 30, -3.0)]:
         ups.append(ClientUpload(client, n, {k: v + shift for k, v in method.global_weights.items()}))
-    method.aggregate(RoundUploads(ups))
+    server_round(method, RoundUploads(ups))
     for k, v in method.model.state_dict().items():
         torch.testing.assert_close(v, method.global_weights[k] + (0.25 * 1.0 + 0.75 * -3.0))
 
@@ -39,7 +39,7 @@ def test_server_lr_scales_the_averaged_update():
     dm = FederatedDataModule(dataset=register_tensors(x, y), num_clients=1, partition="iid", min_size=1)
     method = FedAvg(model="mlp", data_spec=dm.spec, server_lr=0.5)
     method.round_start(0, [0])
-    method.aggregate(RoundUploads([ClientUpload(0, 5, {k: v + 2.0 for k, v in method.global_weights.items()})]))
+    server_round(method, [ClientUpload(0, 5, {k: v + 2.0 for k, v in method.global_weights.items()})])
     for k, v in method.model.state_dict().items():
         torch.testing.assert_close(v, method.global_weights[k] + 1.0)
 

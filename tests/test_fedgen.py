@@ -30,28 +30,28 @@ def _fedgen(dm, **kw):
     method = FedGen(data_spec=dm.spec, **kw)
     method.build_client_models(dm.num_clients)
     uploads = []
-    aggregate = method.aggregate
-    method.aggregate = lambda ups: (uploads.extend(ups), aggregate(ups))
+    step = method.server_step
+    method.server_step = lambda ups: (uploads.extend(ups), step(ups))[1]
     return method, uploads
 
 
 def test_upload_is_the_head_and_label_counts_and_heads_are_averaged_by_samples():
     dm, x, y = _datamodule()
     method, uploads = _fedgen(dm)
-    assert not bool(method.generator_trained)
+    assert not bool(method.server["generator_trained"])
     fit(method, dm, rounds=1)
     assert all(set(u.weights) == {"head.weight", "head.bias"} and not u.prototypes and not u.control_delta
                for u in uploads)
     for u in uploads:
         expected = np.bincount(y.numpy()[dm.client_parts[u.client]], minlength=3)
         assert u.label_counts.tolist() == expected.tolist()
-        assert method.client_label_counts[u.client].tolist() == expected.tolist()
+        assert method.server["client_label_counts"][u.client].tolist() == expected.tolist()
     n = [u.num_samples for u in uploads]
     for key in ("weight", "bias"):
         expected = sum(u.weights[f"head.{key}"] * w for u, w in zip(uploads, n, strict=True)) / sum(n)
         for model in method.client_models:
             torch.testing.assert_close(getattr(model.head, key).detach(), expected)
-    assert bool(method.generator_trained)
+    assert bool(method.server["generator_trained"])
 
 
 def _hand_made_uploads(num_classes=3, k=16):
@@ -73,7 +73,8 @@ def test_one_generator_step_is_adam_on_the_per_label_weighted_ensemble_ce():
     method.round_idx = 3
     uploads = _hand_made_uploads()
     reference = copy.deepcopy(method.generator)
-    method.train_generator(uploads)
+    trained, _ = method.train_generator(uploads)  # a trained copy's state: the server step's result
+    method.server.assign({"generator": trained})
 
     # the same draws: labels from the uploads' label distribution, then uniform noise
     rng = torch.Generator().manual_seed(method.server_seed())
@@ -133,7 +134,8 @@ def test_training_the_generator_makes_the_ensemble_recognise_its_features():
         return float(F.cross_entropy(logits, labels))
 
     before = ensemble_ce()
-    method.train_generator(uploads)
+    trained, _ = method.train_generator(uploads)
+    method.server.assign({"generator": trained})
     after = ensemble_ce()
     assert after < 0.1 < before, (before, after)
 
@@ -188,7 +190,7 @@ def test_resume_restores_generator_label_counts_and_client_models(tmp_path):
     fit(resumed, dm, rounds=2, ckpt_path=tmp_path / "last.ckpt")
     for a, b in zip(full.state_dict().values(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b)
-    assert torch.equal(full.client_label_counts, resumed.client_label_counts)
+    assert torch.equal(full.server["client_label_counts"], resumed.server["client_label_counts"])
     for a, b in zip(full.client_models, resumed.client_models, strict=True):
         for va, vb in zip(a.state_dict().values(), b.state_dict().values(), strict=True):
             assert torch.equal(va, vb)

@@ -70,8 +70,7 @@ def test_client_loss_and_step_match_the_formula():
     method, dm, x, y = _one_client_fedorgp()
     dm.hparams.batch_size = len(y)  # the whole train split in one batch: one local step
     g = torch.randn(3, 16)
-    method.global_protos.copy_(g)
-    method.has_proto.fill_(True)
+    method.server.assign({"global_protos": g, "has_proto": torch.ones(len(g), dtype=torch.bool)})
     model0 = copy.deepcopy(method.client_models[0])
 
     feats = model0.features(x)
@@ -101,8 +100,8 @@ def test_first_round_is_plain_cross_entropy():
 def test_upload_is_the_class_prototypes_and_nothing_else():
     method, dm, x, y = _one_client_fedorgp()
     uploads = []
-    aggregate = method.aggregate
-    method.aggregate = lambda ups: (uploads.extend(ups), aggregate(ups))
+    step = method.server_step
+    method.server_step = lambda ups: (uploads.extend(ups), step(ups))[1]
     fit(method, dm, rounds=1)
     (upload,) = uploads
     assert set(upload.prototypes) == set(torch.unique(y).tolist())
@@ -115,7 +114,7 @@ def test_upload_is_the_class_prototypes_and_nothing_else():
             upload.prototypes[c], feats[y == c].mean(0), atol=1e-6, rtol=1e-5
         )
     # the server's global prototypes are the trainable module's outputs, for every class
-    torch.testing.assert_close(method.global_protos, method.prototypes().detach())
+    torch.testing.assert_close(method.global_protos, method.server["prototypes"]().detach())
 
 
 def test_without_or_the_global_prototypes_are_the_plain_mean():
@@ -124,8 +123,8 @@ def test_without_or_the_global_prototypes_are_the_plain_mean():
     dm = one_client_module(x, y, num_classes=3, num_clients=2, client_test_fraction=0.25)
     method = FedORGP(model="mlp", feature_dim=16, orthogonality=False, data_spec=dm.spec)
     uploads = []
-    aggregate = method.aggregate
-    method.aggregate = lambda ups: (uploads.extend(ups), aggregate(ups))
+    step = method.server_step
+    method.server_step = lambda ups: (uploads.extend(ups), step(ups))[1]
     fit(method, dm, rounds=1)
     for c in range(3):
         ps = [u.prototypes[c] for u in uploads if c in u.prototypes]

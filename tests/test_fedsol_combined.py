@@ -49,7 +49,7 @@ def assert_matches(got, expected):
 def test_fedsol_feddyn_perturbs_along_the_dynamic_regulariser():
     x, y, dm, method, w0 = setup(FedSOLFedDyn, alpha=0.5)
     g_i = {k: torch.randn_like(v) for k, v in w0.items()}
-    method.client_states[0] = g_i
+    method.client_states[0] = {f"g.{k}": v for k, v in g_i.items()}
 
     def prox_grad(w):  # d/dw [-<g_i, w> + alpha/2 ||w - w_g||^2]
         return {k: -g_i[k] + 0.5 * (w[k].detach() - w0[k]) for k in w}
@@ -62,7 +62,8 @@ def test_fedsol_scaffold_perturbs_along_the_correction_and_does_not_add_it():
     x, y, dm, method, w0 = setup(FedSOLSCAFFOLD)
     c = {k: torch.randn_like(v) for k, v in w0.items()}
     c_i = {k: torch.randn_like(v) for k, v in w0.items()}
-    method.server_c, method.client_states[0] = c, c_i
+    method.server.assign({"c": c})
+    method.client_states[0] = {f"c.{k}": v for k, v in c_i.items()}
     expected = reference_sgd(w0, sol_grad(method.model, x, y, lambda w: {k: c[k] - c_i[k] for k in w}),
                              2, LR, MOM, WD)
     assert_matches(local_model_after_round(method, dm), expected)
@@ -71,7 +72,7 @@ def test_fedsol_scaffold_perturbs_along_the_correction_and_does_not_add_it():
 def test_fedsol_moon_perturbs_along_the_contrastive_loss():
     x, y, dm, method, w0 = setup(FedSOLMOON, mu=0.1, tau=0.5)
     prev = {k: v + 0.3 * torch.randn_like(v) for k, v in method.model.state_dict().items()}
-    method.client_states[0] = prev
+    method.client_states[0] = {f"previous.{k}": v for k, v in prev.items()}
     model = method.model
     body = {k: v for k, v in w0.items() if not k.startswith("head.")}
 

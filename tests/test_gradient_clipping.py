@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from fl_test_utils import fit, one_client_module, reference_sgd, toy_data
 from torch.func import functional_call
 
-from fl_lightning.analysis.command import FLTrainer
 from fl_lightning.cli import main
 from fl_lightning.methods import Ditto, FedAvg, FedSAM
+from fl_lightning.trainer import FLTrainer
 
 LR, MOM, WD = 0.1, 0.9, 1e-3
 
@@ -125,7 +125,7 @@ def test_ditto_clips_both_tracks():
     got = {k: v.detach() for k, v in method.model.named_parameters()}
     for k, v in global_track.items():
         torch.testing.assert_close(got[k], v, atol=1e-6, rtol=1e-5)
-        torch.testing.assert_close(method.client_states[0][k], personal[k], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(method.client_state(0, "personal.")[k], personal[k], atol=1e-6, rtol=1e-5)
 
 
 def test_no_clipping_by_default_and_with_zero():

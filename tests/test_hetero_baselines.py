@@ -22,8 +22,8 @@ def _two_clients(cls, n=24, **kw):
     method = cls(model="mlp", feature_dim=16, data_spec=dm.spec, **kw)
     method.build_client_models(2)
     uploads = []
-    aggregate = method.aggregate
-    method.aggregate = lambda ups: (uploads.extend(ups), aggregate(ups))
+    step = method.server_step
+    method.server_step = lambda ups: (uploads.extend(ups), step(ups))[1]
     return method, dm, x, y, uploads
 
 
@@ -43,17 +43,17 @@ def test_lg_fedavg_averages_heads_by_samples_and_sends_them_to_everyone():
 
 def test_fedgh_trains_the_global_head_on_prototypes():
     method, dm, x, y, uploads = _two_clients(FedGH, server_epochs=20, server_lr=0.5)
-    head0 = copy.deepcopy(method.global_head)
+    head0 = copy.deepcopy(method.server["global_head"])
     fit(method, dm, rounds=1)
     assert all(u.prototypes and not u.weights for u in uploads)
     protos = torch.stack([p for u in uploads for p in u.prototypes.values()])
     labels = torch.tensor([c for u in uploads for c in u.prototypes])
     with torch.no_grad():
         before = F.cross_entropy(head0(protos), labels)
-        after = F.cross_entropy(method.global_head(protos), labels)
+        after = F.cross_entropy(method.server["global_head"](protos), labels)
     assert after < before - 1e-3
     for model in method.client_models:
-        torch.testing.assert_close(model.head.weight.detach(), method.global_head.weight.detach())
+        torch.testing.assert_close(model.head.weight.detach(), method.server["global_head"].weight.detach())
 
 
 def test_fedproto_mean_prototypes_mse_loss_and_nearest_prototype_prediction():
@@ -116,7 +116,7 @@ def test_fml_shared_model_is_the_sample_weighted_average():
     method, dm, x, y, uploads = _two_clients(FML)
     fit(method, dm, rounds=1)
     n = [u.num_samples for u in uploads]
-    for k, v in method.global_shared.state_dict().items():
+    for k, v in method.server["global_shared"].state_dict().items():
         expected = sum(u.weights[f"shared.{k}"] * w for u, w in zip(uploads, n, strict=True)) / sum(n)
         torch.testing.assert_close(v, expected)
 
@@ -156,6 +156,6 @@ def test_fedkd_uploads_compressed_shared_model_and_keeps_w_h_local():
         assert all(k.startswith("shared.") for k in u.weights)
         assert any(k.endswith(".U") for k in u.weights)  # matrices travel as SVD factors
         assert not any("W_h" in k for k in u.weights)
-    assert set(method.client_states) == {0, 1}
-    w0, w1 = (method.client_states[c]["weight"] for c in (0, 1))
+    assert {c for c in method.client_states if method.client_state(c, "W_h.")} == {0, 1}  # the clients that trained
+    w0, w1 = (method.client_state(c, "W_h.")["weight"] for c in (0, 1))
     assert not torch.equal(w0, w1)  # each client has its own W_h

@@ -165,7 +165,7 @@ def test_personal_model_equals_the_definition_and_changes_nothing():
     after = params(method.model)
     assert all(torch.equal(global_state[k], after[k]) for k in global_state)
     assert torch.equal(torch.get_rng_state(), rng)  # building datastores draws nothing from the RNG
-    assert method.client_states == {}  # no datastore is kept on the server or in checkpoints
+    assert dict(method.client_states) == {}  # no datastore is kept on the server or in checkpoints
     # the personal model holds a copy: changing it leaves the global model alone
     with torch.no_grad():
         pm.model.head.weight.add_(1.0)
@@ -221,13 +221,13 @@ def test_client_with_fewer_samples_than_k_uses_all_of_them():
 
 def _record_uploads(method):
     seen = []
-    real = method.aggregate
+    real = method.server_step
 
     def spy(uploads):
         seen.extend((sorted(u.weights), sorted(u.stats)) for u in uploads)
         return real(uploads)
 
-    method.aggregate = spy
+    method.server_step = spy
     return seen
 
 
@@ -239,7 +239,7 @@ def test_training_is_fedavg_bit_for_bit_and_uploads_the_same():
         method = cls(model="mlp", lr=0.1, data_spec=dm.spec)
         uploads = _record_uploads(method)
         fit(method, dm, rounds=2)
-        results.append((params(method.model), uploads, method.client_states))
+        results.append((params(method.model), uploads, dict(method.client_states)))
     (fedavg, up_fedavg, st_fedavg), (knn, up_knn, st_knn) = results
     assert fedavg.keys() == knn.keys() and all(torch.equal(fedavg[k], knn[k]) for k in fedavg)
     assert len(up_knn) == 8 and up_knn == up_fedavg  # 4 clients x 2 rounds, same key sets

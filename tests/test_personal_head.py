@@ -68,12 +68,17 @@ def close(a, b):
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
 
 
+def heads(method) -> dict[int, dict[str, torch.Tensor]]:
+    """Every client's own head (its part of the model kept in the client-state store)."""
+    return {c: method.client_state(c, "model.") for c in method.client_states}
+
+
 class Recorder:
     """Mixin: keeps every accepted upload."""
 
-    def aggregate(self, uploads):
+    def server_step(self, uploads):
         self.uploads = getattr(self, "uploads", []) + [list(uploads)]
-        super().aggregate(uploads)
+        return super().server_step(uploads)
 
 
 class RecFedPer(Recorder, FedPer):
@@ -97,7 +102,7 @@ def test_fedper_steps_by_hand_first_and_later_round():
         method = FedPer(model="mlp", lr=LR, momentum=MOM, weight_decay=WD, lr_decay=1.0, data_spec=dm.spec)
         w0 = params(method.model)
         fit(method, dm, rounds=rounds)
-        results[rounds] = (w0, params(method.model), {k: dict(v) for k, v in method.client_states.items()})
+        results[rounds] = (w0, params(method.model), heads(method))
 
     w0, global1, heads1 = results[1]
     local = [reference_sgd(w0, ce_grad(_mlp(x), x[p], y[p]), 1, LR, MOM, WD) for p in parts]
@@ -152,10 +157,11 @@ def test_upload_is_body_only_global_head_fixed_heads_personal(cls):
     assert_same_tensors(part(method.model.state_dict(), HEAD), part(w0, HEAD))  # bit for bit
     assert set(method.client_states) == {0, 1, 2}
     for c in range(3):
-        assert set(method.client_states[c]) == HEAD
-        assert method.client_states[c]["head.weight"].device.type == "cpu"
-        assert not torch.equal(method.client_states[c]["head.weight"], w0["head.weight"])
-    assert not torch.allclose(method.client_states[0]["head.weight"], method.client_states[1]["head.weight"])
+        assert set(method.client_states[c]) == {f"model.{k}" for k in HEAD}  # the head, and only it
+        assert method.client_states[c]["model.head.weight"].device.type == "cpu"
+        assert not torch.equal(method.client_state(c, "model.")["head.weight"], w0["head.weight"])
+    assert not torch.allclose(method.client_state(0, "model.")["head.weight"],
+                              method.client_state(1, "model.")["head.weight"])
 
 
 # ---- FedRep's phases -----------------------------------------------------------------------------
@@ -226,7 +232,7 @@ def test_fedrep_round_by_hand_head_then_body_with_fresh_momentum():
     model = _mlp(x)
     head1 = reference_sgd(part(w0, HEAD), ce_grad(model, x, y, fixed=part(w0, BODY)), 1, LR, MOM, WD)
     body2 = reference_sgd(part(w0, BODY), ce_grad(model, x, y, fixed=head1), 2, LR, MOM, WD)
-    close(method.client_states[0], head1)
+    close(method.client_state(0, "model."), head1)
     close(part(method.model.state_dict(), BODY), body2)
     # a body phase that inherited momentum, or ran all three steps, would land elsewhere
     three = reference_sgd(part(w0, BODY), ce_grad(model, x, y, fixed=head1), 3, LR, MOM, WD)
@@ -257,7 +263,7 @@ def test_personal_model_is_global_body_plus_own_head_and_changes_nothing(cls):
     for c in range(4):
         own = method.personal_model(c)
         assert own is not method.model
-        head = method.client_states[c] if c in trained else initial_head
+        head = method.client_state(c, "model.") if c in trained else initial_head
         assert_same_tensors(own.state_dict(), {**part(global_before, BODY), **head})
         with torch.no_grad():
             expected = F.linear(method.model.features(x), head["head.weight"], head["head.bias"])
@@ -278,7 +284,7 @@ def test_own_personal_models_are_evaluated_and_do_not_change_training():
         method = FedRep(model="mlp", lr=0.1, head_epochs=1, body_epochs=1, data_spec=dm.spec)
         cb = PersonalizationCallback(enabled=enabled, epochs=[0], every_n_rounds=1)
         fit(method, dm, rounds=2, callbacks=[cb])
-        finals.append((params(method.model), method.client_states))
+        finals.append((params(method.model), heads(method)))
     assert_same_tensors(finals[0][0], finals[1][0])
     for c in finals[0][1]:
         assert_same_tensors(finals[0][1][c], finals[1][1][c])

@@ -172,6 +172,6 @@ def test_personalised_evaluation_of_a_heterogeneous_method_starts_from_each_clie
     assert "final/global_test_acc" not in res
     for c, model in enumerate(method.client_models):
         assert all(torch.equal(before[c][k], v) for k, v in params(model).items())
-        own = cb.accuracy(model, dm.client_loader(c, "test"), method.device)
+        own = cb.accuracy(model, dm.client_loader(c, "test"), method)
         assert cb.per_client["global"][c] == cb.per_client["ft0"][c] == own
     assert len(cb.per_client["local_only"]) == 4

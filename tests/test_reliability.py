@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,6 +35,11 @@ METHODS = {
     "scaffold": ["--config", str(REPO / "configs/settings/fedsol_cifar10.yaml"), "--config",
                  str(REPO / "configs/methods/fedsol/scaffold.yaml"), "--model.init_args.model", "mlp",
                  "--data.augment", "false", *TINY],
+    # server state of a server optimizer (FedAdam's m and v) and personal BatchNorm layers (FedBN)
+    "fedadam": ["--config", str(REPO / "configs/settings/mnist5k.yaml"), "--model", "FedAdam",
+                "--model.init_args.model", "mlp", *TINY],
+    "fedbn": ["--config", str(REPO / "configs/settings/mnist5k.yaml"), "--model", "FedBN",
+              "--model.init_args.model", "mlp_bn", *TINY],
     # a bounded cache: client models are evicted to files mid-round, where the kill lands
     "fedproto": ["--config", str(REPO / "configs/settings/fedorgp_cifar10_pathological.yaml"), "--config",
                  str(REPO / "configs/methods/fedorgp/fedproto.yaml"),
@@ -77,13 +83,15 @@ def assert_same_run(a: Path, b: Path) -> None:
     assert sa["state_dict"].keys() == sb["state_dict"].keys()
     for key in sa["state_dict"]:
         assert torch.equal(sa["state_dict"][key], sb["state_dict"][key]), key
-    for kind in ("fl_client_states", "fl_client_models"):  # clients' own states and models
-        clients_a = read_client_states(sa.get(kind, {}))
-        clients_b = read_client_states(sb.get(kind, {}))
-        assert clients_a.keys() == clients_b.keys()
-        for client in clients_a:
-            for key in clients_a[client]:
-                assert torch.equal(clients_a[client][key], clients_b[client][key]), (kind, client, key)
+    # every client's own state (control variates, heterogeneous clients' models), read from the
+    # files the checkpoint names, beside it
+    clients_a = read_client_states(sa["fl_client_states"], a / "checkpoints" / "client_states")
+    clients_b = read_client_states(sb["fl_client_states"], b / "checkpoints" / "client_states")
+    assert clients_a.keys() == clients_b.keys()
+    for client in clients_a:
+        assert clients_a[client].keys() == clients_b[client].keys()
+        for key in clients_a[client]:
+            assert torch.equal(clients_a[client][key], clients_b[client][key]), (client, key)
     rows_a, rows_b = read_metrics(a / "metrics.csv"), read_metrics(b / "metrics.csv")
     assert [r["round"] for r in rows_a] == list(range(1, ROUNDS + 1))
     assert reproducible_rows(rows_a) == reproducible_rows(rows_b)
@@ -101,7 +109,8 @@ def straight_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("method", "where"), [("fedsol", "train"), ("scaffold", "train"), ("fedproto", "train"),
-                                               ("fedsol", "eval"), ("fedsol", "write")])
+                                               ("fedsol", "eval"), ("fedsol", "write"), ("fedadam", "train"),
+                                               ("fedbn", "write")])
 def test_sigkill_in_round_4_then_resume_equals_uninterrupted(method, where, straight_runs, tmp_path):
     root = tmp_path / "run"
     code, err = finish(start(method, root, *kill_switch(4, where)))
@@ -228,8 +237,8 @@ def test_two_fits_at_once_in_one_directory(tmp_path):
 def test_non_finite_global_test_loss_goes_through_the_divergence_policy(caplog):
     from fl_test_utils import fit, one_client_module, toy_data
 
-    from fl_lightning.federation import FLDivergedError
     from fl_lightning.methods import FedAvg
+    from fl_lightning.outcome import Outcome
 
     class NaNLogitsFromRound2(FedAvg):
         """Finite weights, non-finite class scores: what an overflowing logit looks like."""
@@ -240,8 +249,10 @@ def test_non_finite_global_test_loss_goes_through_the_divergence_policy(caplog):
 
     x, y = toy_data(n=12)
     dm = one_client_module(x, y)
-    with pytest.raises(FLDivergedError, match="test loss is nan.*round 2/3"):
-        fit(NaNLogitsFromRound2(model="mlp", data_spec=dm.spec), dm, rounds=3)
+    trainer = fit(NaNLogitsFromRound2(model="mlp", data_spec=dm.spec), dm, rounds=3)
+    record = trainer.callbacks[0].record  # stopped by the policy, through trainer.should_stop
+    assert record.stopped and record.outcome is Outcome.DIVERGED and trainer.current_epoch == 2
+    assert re.search("test loss is nan.*round 2/3", record.reason)
     dm = one_client_module(x, y)
     caplog.clear()
     trainer = fit(NaNLogitsFromRound2(model="mlp", data_spec=dm.spec), dm, rounds=3, on_divergence="skip_client")
@@ -258,7 +269,7 @@ def test_wandb_rows_are_on_disk_when_the_run_is_finished(tmp_path, monkeypatch):
     2 of 3 small offline runs were still a 7-byte file right after finish)."""
     import wandb
 
-    from fl_lightning.cli import finish_wandb
+    from fl_lightning.lightning_cli import finish_wandb
     from fl_lightning.loggers import read_offline_history
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -274,7 +285,7 @@ def test_wandb_rows_are_on_disk_when_the_run_is_finished(tmp_path, monkeypatch):
 def test_a_damaged_wandb_file_is_an_error_not_missing_rows(tmp_path):
     import wandb
 
-    from fl_lightning.cli import finish_wandb
+    from fl_lightning.lightning_cli import finish_wandb
     from fl_lightning.loggers import IncompleteRunFile, read_offline_history
 
     run = wandb.init(project="t", dir=str(tmp_path), mode="offline")
@@ -292,15 +303,21 @@ def test_a_damaged_wandb_file_is_an_error_not_missing_rows(tmp_path):
 
 
 def test_summary_of_a_model_heterogeneous_run_uses_the_clients_accuracy(tmp_path):
+    """The summary reads the run's accuracy under the method's `accuracy_key` (no family known to
+    the results callback) and its best from the round callback's one tracker."""
     from types import SimpleNamespace
 
+    from fl_lightning.federation import FederatedCallback
+    from fl_lightning.methods import FedProto
     from fl_lightning.results import ResultsCallback
 
-    results = ResultsCallback(tmp_path)
+    results, federation = ResultsCallback(tmp_path), FederatedCallback()
     results.rows = [{"round": 1, "clients/test_acc": 0.5}, {"round": 2, "clients/test_acc": 0.7},
                     {"round": 3, "clients/test_acc": 0.6}]
-    trainer = SimpleNamespace(callbacks=[], max_epochs=3)
-    summary = results.summary(trainer, object(), finished=True)
+    for row in results.rows:
+        federation.best.update(row["clients/test_acc"], row["round"])
+    trainer = SimpleNamespace(callbacks=[federation], max_epochs=3)
+    summary = results.summary(trainer, SimpleNamespace(accuracy_key=FedProto.accuracy_key))
     assert summary["accuracy"] == "clients/test_acc"
     assert (summary["final_acc"], summary["final_round"]) == (0.6, 3)
     assert (summary["best_acc"], summary["best_round"]) == (0.7, 2)

@@ -1,5 +1,6 @@
 """Per-client and server state survive checkpoint/resume bit for bit; a run that blows up stops
-with one line naming round, client and method, or skips the client when asked to."""
+(through `trainer.should_stop`, with its outcome recorded) with one line naming round, client and
+method, or skips the client when asked to."""
 
 import logging
 import re
@@ -18,10 +19,17 @@ from fl_test_utils import (
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from fl_lightning.cli import main
-from fl_lightning.federation import FLDivergedError
 from fl_lightning.methods import MOON, SCAFFOLD, Ditto, FedAvg, FedDyn, FedExP, FedNTD, FedSOL
+from fl_lightning.outcome import Outcome
 
-SERVER_STATE = {SCAFFOLD: "server_c", FedDyn: "server_h", FedExP: "iterate", MOON: "initial_weights"}
+SERVER_STATE = {SCAFFOLD: "c", FedDyn: "h", FedExP: "iterate", MOON: "initial"}  # their ServerState entries
+
+
+def stopped(trainer) -> str:
+    """The one line of a run its round callback stopped (diverged or failed)."""
+    record = trainer.callbacks[0].record
+    assert record.stopped and record.outcome in (Outcome.DIVERGED, Outcome.FAILED)
+    return record.reason
 
 
 def build(method_cls, seed=0):
@@ -36,10 +44,10 @@ def test_resume_equals_uninterrupted(method_cls, tmp_path):
     assert_same_run(straight, resumed)
     if method_cls in SERVER_STATE:
         name = SERVER_STATE[method_cls]
-        assert_same_tensors(getattr(resumed, name), getattr(straight, name))
+        assert_same_tensors(resumed.server[name], straight.server[name])
     if method_cls is SCAFFOLD:  # the control variates are real, not zeros
         assert len(straight.client_states) >= 2
-        assert float(sum(v.abs().sum() for v in straight.server_c.values())) > 0
+        assert float(sum(v.abs().sum() for v in straight.server["c"].values())) > 0
 
 
 def cli_args(tmp_path, *extra):
@@ -83,9 +91,9 @@ class PoisonedFedAvg(FedAvg):
         self.sent.append(upload)
         return upload
 
-    def aggregate(self, uploads):
+    def server_step(self, uploads):
         self.aggregated.append([u.client for u in uploads])
-        super().aggregate(uploads)
+        return super().server_step(uploads)
 
 
 def poisoned():
@@ -108,21 +116,26 @@ def test_skip_client_drops_only_the_nonfinite_upload():
 
 def test_stop_names_the_client():
     method, dm = poisoned()
-    with pytest.raises(FLDivergedError, match=r"round \d/4, client 1, method PoisonedFedAvg"):
-        fit(method, dm, rounds=4)
+    trainer = fit(method, dm, rounds=4)
+    assert re.search(r"round \d/4, client 1, method PoisonedFedAvg", stopped(trainer))
 
 
 class OverflowingFedAvg(FedAvg):
-    def server_step(self, avg):
-        return {k: v * float("inf") for k, v in avg.items()}
+    def server_step(self, uploads):
+        update = super().server_step(uploads)
+        update.global_state = {k: v * float("inf") for k, v in update.global_state.items()}
+        return update
 
 
-def test_nonfinite_aggregate_stops_the_run():
+def test_nonfinite_server_step_stops_the_run_and_is_not_applied():
     torch.manual_seed(0)
     dm = four_clients()
-    with pytest.raises(FLDivergedError, match=r"non-finite global model after aggregation at round 1/2, "
-                                              r"method OverflowingFedAvg"):
-        fit(OverflowingFedAvg(model="mlp", data_spec=dm.spec), dm, rounds=2)
+    method = OverflowingFedAvg(model="mlp", data_spec=dm.spec)
+    start = {k: v.clone() for k, v in method.model.state_dict().items()}
+    trainer = fit(method, dm, rounds=2)
+    assert re.search(r"non-finite global model after the server step at round 1/2, method OverflowingFedAvg",
+                     stopped(trainer))
+    assert_same_tensors(method.model.state_dict(), start)  # back to the round's start, nothing applied
 
 
 class CollapsingFedAvg(FedAvg):
@@ -130,12 +143,11 @@ class CollapsingFedAvg(FedAvg):
 
     from_round = 2  # 0-based
 
-    def aggregate(self, uploads):
-        super().aggregate(uploads)
+    def server_step(self, uploads):
+        update = super().server_step(uploads)
         if self.trainer.current_epoch >= self.from_round:
-            with torch.no_grad():
-                for p in self.model.parameters():
-                    p.zero_()
+            update.global_state = {k: torch.zeros_like(v) for k, v in update.global_state.items()}
+        return update
 
 
 def learnable_clients():
@@ -153,8 +165,9 @@ def test_collapse_to_chance_accuracy_is_reported_as_failed(caplog):
         trainer = fit(method, dm, rounds=6, federation_kw=dict(collapse_rounds=3))
     federation = trainer.callbacks[0]
     # rounds 1-2 learn, rounds 3-5 sit at the majority share (1/3): failed at round 5, not before
-    assert federation.state_dict()["best_acc"] >= 1 / 3 + 0.1
-    assert federation.state_dict()["failed_at"] == "round 5/6, method CollapsingFedAvg"
+    assert federation.best.value >= 1 / 3 + 0.1
+    assert federation.record.marks == {"failed": "round 5/6, method CollapsingFedAvg"}
+    assert federation.record.outcome is Outcome.FAILED and not federation.record.stopped  # marked, ran on
     failed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("failed:")]
     assert len(failed) == 1 and "for 3 rounds" in failed[0]
 
@@ -163,12 +176,13 @@ def test_collapse_can_stop_the_run_and_is_off_at_zero():
     torch.manual_seed(0)
     dm = learnable_clients()
     method = CollapsingFedAvg(model="mlp", data_spec=dm.spec, lr=0.1)
-    with pytest.raises(FLDivergedError, match=r"^failed: .* at round 4/6, method CollapsingFedAvg"):
-        fit(method, dm, rounds=6, federation_kw=dict(collapse_rounds=2, on_collapse="stop"))
+    trainer = fit(method, dm, rounds=6, federation_kw=dict(collapse_rounds=2, on_collapse="stop"))
+    assert re.fullmatch(r"failed: .* at round 4/6, method CollapsingFedAvg; .*", stopped(trainer))
+    assert trainer.current_epoch == 4  # the round that confirmed it completed, nothing after
     dm = learnable_clients()
     trainer = fit(CollapsingFedAvg(model="mlp", data_spec=dm.spec, lr=0.1), dm, rounds=6,
                   federation_kw=dict(collapse_rounds=0))
-    assert trainer.callbacks[0].state_dict()["failed_at"] == ""
+    assert trainer.callbacks[0].record.marks == {} and trainer.callbacks[0].record.outcome is Outcome.FINISHED
 
 
 def test_a_slow_start_at_chance_is_not_a_failure():
@@ -177,7 +191,7 @@ def test_a_slow_start_at_chance_is_not_a_failure():
     method = CollapsingFedAvg(model="mlp", data_spec=dm.spec, lr=0.1)
     method.from_round = 0  # at chance from the first round on: never learned, so never "failed"
     trainer = fit(method, dm, rounds=4, federation_kw=dict(collapse_rounds=2))
-    assert trainer.callbacks[0].state_dict()["failed_at"] == ""
+    assert trainer.callbacks[0].record.marks == {}
 
 
 def test_collapse_state_is_in_the_checkpoint_and_comes_back(tmp_path):
@@ -187,13 +201,13 @@ def test_collapse_state_is_in_the_checkpoint_and_comes_back(tmp_path):
     first = fit(CollapsingFedAvg(model="mlp", data_spec=dm.spec, lr=0.1), dm, rounds=4, callbacks=[ckpt],
                 federation_kw=dict(collapse_rounds=3))
     saved = first.callbacks[0].state_dict()
-    assert saved["rounds_at_chance"] == 2 and saved["failed_at"] == ""
+    assert saved["rounds_at_chance"] == 2 and saved["marks"] == {}
     dm = learnable_clients()
     resumed = fit(CollapsingFedAvg(model="mlp", data_spec=dm.spec, lr=0.1), dm, rounds=5,
                   ckpt_path=str(tmp_path / "last.ckpt"), federation_kw=dict(collapse_rounds=3),
                   callbacks=[ModelCheckpoint(dirpath=tmp_path / "again", save_last=True, save_top_k=0)])
     # the third round at chance is the resumed run's first: counted on top of the restored two
-    assert resumed.callbacks[0].state_dict()["failed_at"] == "round 5/5, method CollapsingFedAvg"
+    assert resumed.callbacks[0].state_dict()["marks"] == {"failed": "round 5/5, method CollapsingFedAvg"}
 
 
 class PoisonedLateDitto(Ditto):
@@ -202,7 +216,7 @@ class PoisonedLateDitto(Ditto):
     def round_start(self, round_idx, clients):
         super().round_start(round_idx, clients)
         if round_idx == 2:  # what the clients kept after rounds 1-2
-            self.kept_before = {c: {k: v.clone() for k, v in s.items()} for c, s in self.client_states.items()}
+            self.kept_before = {c: self.client_state(c, "personal.") for c in self.client_states}
 
     def client_end(self):
         upload = super().client_end()
@@ -217,5 +231,5 @@ def test_a_skipped_client_keeps_its_previous_kept_state():
     method = PoisonedLateDitto(model="mlp", data_spec=dm.spec)
     fit(method, dm, rounds=4, on_divergence="skip_client")
     # client 0 keeps a new personal model every round; client 1's was kept only while accepted
-    assert_same_tensors(method.client_states[1], method.kept_before[1])
-    assert not torch.equal(method.client_states[0]["head.bias"], method.kept_before[0]["head.bias"])
+    assert_same_tensors(method.client_state(1, "personal."), method.kept_before[1])
+    assert not torch.equal(method.client_state(0, "personal.")["head.bias"], method.kept_before[0]["head.bias"])

@@ -5,10 +5,10 @@ import contextlib
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +18,10 @@ import yaml
 from fl_test_utils import reproducible_rows
 
 from fl_lightning import sweep
+from fl_lightning.checkpointing import completed_rounds
 from fl_lightning.cli import main
 from fl_lightning.errors import FLUserError
+from fl_lightning.outcome import EXIT_STOPPED
 from fl_lightning.results import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -225,7 +227,7 @@ def test_restart_skips_finished_resumes_checkpointed_and_overwrites_the_rest(tmp
     (d / "seed=2").mkdir()
     (d / "seed=2" / "config.yaml").write_text("{}")  # killed before its first round: no checkpoint
     (d / ".sweep").mkdir()
-    (d / ".sweep" / "seed=3.json").write_text(json.dumps({"exit_code": sweep.EXIT_DIVERGED}))  # diverged: final
+    (d / ".sweep" / "seed=3.json").write_text(json.dumps({"exit_code": EXIT_STOPPED}))  # diverged: final
     (d / "seed=3").mkdir()
     (d / "seed=3" / "summary.json").write_text(json.dumps({"finished": False, "diverged": True}))
     states = [local.command(r)[1] for r in runs]
@@ -243,15 +245,16 @@ def test_restart_skips_finished_resumes_checkpointed_and_overwrites_the_rest(tmp
 # A real local sweep, killed and started again
 
 
-def env() -> dict:
-    e = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    e["PYTHONPATH"] = os.pathsep.join([str(REPO), e.get("PYTHONPATH", "")])
+def env(**extra) -> dict:
+    e = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+             **extra)
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), str(REPO), e.get("PYTHONPATH", "")])
     return e
 
 
-def start_sweep(spec: Path, root: Path, workers: int = 2) -> subprocess.Popen:
+def start_sweep(spec: Path, root: Path, workers: int = 2, **extra_env) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "fl_lightning.cli", "sweep", str(spec), "--local",
-                             "--workers", str(workers), "--root", str(root)], cwd=REPO, env=env(),
+                             "--workers", str(workers), "--root", str(root)], cwd=REPO, env=env(**extra_env),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
@@ -263,44 +266,38 @@ def summary(run_dir: Path) -> dict:
 
 
 def test_killed_sweep_restarts_skipping_finished_runs_and_resuming_the_others(tmp_path):
-    # The grid runs the two 1-round runs first, one on each worker; a worker starts an 8-round run
-    # only once its short run has finished. So when a short run has finished and an 8-round run
-    # has a checkpoint, that run is part-way through: it started after the short one and has
-    # rounds left, whatever the machine's load (a race between the workers' start-ups used to let
-    # the 8-round run finish before the kill).
+    # One worker runs the grid in order: the two 1-round runs, then the first 8-round run, in which
+    # the kill switch (armed only in this first start) SIGKILLs the whole sweep, every process of
+    # its session, right after that run's round-3 client trained: an exact point, whatever the
+    # machine's load. The second 8-round run has not started.
+    kill = {"class_path": "killswitch.KillSwitch",
+            "init_args": {"round": 3, "where": "train", "group": True, "armed_by": "FL_TEST_KILL_SWEEP"}}
+    command = ["${env}", "fl-lightning", "fit", *TINY, f"--trainer.callbacks+={json.dumps(kill)}", "${args}"]
     spec = write_spec(tmp_path / "tiny.yaml", {"trainer.max_epochs": {"values": [1, 8]},
-                                               "seed_everything": {"values": [0, 1]}})
+                                               "seed_everything": {"values": [0, 1]}}, command=command)
     root = tmp_path / "runs"
     sweep_dir = root / "tiny"
     names = ["max_epochs=1,seed=0", "max_epochs=1,seed=1", "max_epochs=8,seed=0", "max_epochs=8,seed=1"]
-    shorts, longs = [sweep_dir / n for n in names[:2]], [sweep_dir / n for n in names[2:]]
-    proc = start_sweep(spec, root)
-    deadline = time.time() + 600
-    long_ = None
-    while time.time() < deadline and proc.poll() is None:
-        started = [run for run in longs if (run / "checkpoints" / "last.ckpt").exists()]
-        if started and any(summary(run).get("finished") for run in shorts):
-            long_ = started[0]
-            break
-        time.sleep(0.1)
-    assert proc.poll() is None, proc.stdout.read()
-    os.killpg(proc.pid, signal.SIGKILL)  # the sweep and every run it started, without clean-up
-    proc.wait()
-    done_before = [run for run in shorts if summary(run).get("finished")]
-    assert done_before and not any(summary(run).get("finished") for run in longs)
-    first_summaries = {run: (run / "summary.json").stat().st_mtime_ns for run in done_before}
+    shorts, long_, untouched = [sweep_dir / n for n in names[:2]], sweep_dir / names[2], sweep_dir / names[3]
+    proc = start_sweep(spec, root, workers=1, FL_TEST_KILL_SWEEP="1")
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == -signal.SIGKILL, out
+    assert all(summary(run).get("finished") for run in shorts)
+    assert completed_rounds(torch.load(long_ / "checkpoints" / "last.ckpt", weights_only=False)) == 2
+    assert not summary(long_).get("finished") and not untouched.exists()
+    first_summaries = {run: (run / "summary.json").stat().st_mtime_ns for run in shorts}
 
-    again = start_sweep(spec, root)
+    again = start_sweep(spec, root, workers=1)
     out, _ = again.communicate(timeout=900)
     assert again.returncode == 0, out
-    assert f"4 runs ({len(done_before)} already done)" in out
+    assert "4 runs (2 already done)" in out
     for name in names:
         assert summary(sweep_dir / name)["finished"], name
     # The finished runs were not run again; the interrupted one resumed from its checkpoint.
     for run, mtime in first_summaries.items():
         assert (run / "summary.json").stat().st_mtime_ns == mtime
         assert f"start {run.name}" not in out
-    assert f"resume {long_.name}" in out
+    assert f"resume {long_.name}" in out and f"start {untouched.name}" in out
     record = json.loads((sweep_dir / ".sweep" / f"{long_.name}.json").read_text())
     assert record["attempts"] == 2 and "--ckpt_path=last" in record["command"]
 
@@ -340,3 +337,33 @@ def test_a_failing_run_is_recorded_and_the_others_finish(tmp_path):
     assert "FAILED num_clients=5000,max_epochs=1 (exit 2): error: " in out
     code, table, _ = run_cli(["report", str(sweep_dir)])
     assert code == 0 and f"num_clients=5000,max_epochs=1: crashed: {record['error']}" in table
+
+
+@pytest.mark.parametrize("parameter,extra,message", [
+    ({"values": [1, 2]}, {"run_cap": "many"}, r"run_cap must be a whole number of runs >= 1, got 'many'"),
+    ({"values": [1, 2], "probabilities": [0.5, 0.6]}, {}, r"`probabilities` must sum to 1, they sum to 1.1"),
+    ({"values": [1, 2], "probabilities": [1.0]}, {}, r"`probabilities` must be 2 numbers >= 0, one per value"),
+    ({"distribution": "log_uniform_values", "min": -1.0, "max": 1.0}, {},
+     r"log_uniform_values draws the logarithm of its values: min must be > 0, got -1.0"),
+    ({"distribution": "int_uniform", "min": 5, "max": 2}, {}, r"min \(5\) is greater than max \(2\)"),
+    ({"distribution": "q_uniform", "min": 0.0, "max": 1.0, "q": 0}, {}, r"q must be a number > 0"),
+    ({"distribution": "q_uniform", "min": 0.0, "max": 1.0, "q": -0.5}, {}, r"q must be a number > 0"),
+    ({"distribution": "uniform", "min": "a", "max": 1.0}, {}, r"uniform needs numbers min and max"),
+    ({"distribution": "int_uniform", "min": 0.5, "max": 3}, {}, r"int_uniform needs integers min and max"),
+    ({"distribution": "normal", "mu": 0.0, "sigma": -1.0}, {}, r"normal needs a number mu and a number sigma > 0"),
+    ({"distribution": "beta"}, {}, r"distribution 'beta' is not supported by --local"),
+])
+def test_a_malformed_random_spec_is_one_line(tmp_path, parameter, extra, message):
+    path = write_spec(tmp_path / "r.yaml", {"model.init_args.lr": parameter}, method="random",
+                      **({"run_cap": 3} | extra))
+    code, _, err = run_cli(["sweep", str(path), "--local", "--dry-run", "--root", str(tmp_path / "runs")])
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert re.search(rf"error: .*{message}", err), err
+
+
+@pytest.mark.parametrize("count", ["-1", "0"])
+def test_a_count_below_one_is_refused_not_a_shorter_grid(tmp_path, count):
+    path = write_spec(tmp_path / "g.yaml", {"seed_everything": {"values": [0, 1, 2]}})
+    code, _, err = run_cli(["sweep", str(path), "--local", "--dry-run", "--count", count,
+                            "--root", str(tmp_path / "runs")])
+    assert code == 2 and err.strip() == f"error: --count {count}: the number of runs must be at least 1", err

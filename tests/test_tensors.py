@@ -54,7 +54,7 @@ def test_augmented_client_batches_are_the_reference_transforms_of_its_own_sample
     images = torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
     labels = np.arange(n) % 10
 
-    def build(seed):
+    def build(request):
         train = TensorImages(images, torch.as_tensor(labels), MEAN, STD, augment=True)
         test = TensorImages(images, torch.as_tensor(labels), MEAN, STD)
         return (LabelledDataset(None, labels, lambda: train), LabelledDataset(None, labels, lambda: test))

@@ -40,19 +40,16 @@ from fl_lightning.analysis.hessian import hessian_spectrum
 from fl_lightning.analysis.objective import HVP_MODES, SubsetObjective, eval_mode
 from fl_lightning.analysis.surface import DIRECTION_KINDS, filter_normalized_direction, slice_1d, surface_2d
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import FederatedCallback
+from fl_lightning.federation import federation_of
 
 SURFACE_KINDS = (*DIRECTION_KINDS, "none")
 HVP_CHOICES = tuple(m for m in HVP_MODES if m != "auto")  # --analysis.hvp; "auto" is for direct use
 
 
+def global_model(pl_module) -> torch.nn.Module | None:
+    """The method's global model, if it has one (the analysis model without a prefix)."""
+    return dict(pl_module.analysis_models(0)).get("")
 
-def has_global_model(pl_module) -> bool:
-    """Shared-model methods are analysed through their global model; model-heterogeneous ones
-    (HeteroMethod, one model per client) through their clients' models."""
-    from fl_lightning.methods.hetero.base import HeteroMethod
-
-    return not isinstance(pl_module, HeteroMethod)
 
 class AnalysisCallback(L.Callback):
     """Loss landscapes, Hessian spectrum, client divergence and the partition.
@@ -137,22 +134,24 @@ class AnalysisCallback(L.Callback):
     # ---- hooks --------------------------------------------------------------------------------
     def on_fit_start(self, trainer, pl_module) -> None:
         self.check_model(pl_module)
-        federation = _federation(trainer)
+        federation = federation_of(trainer)
         if self.divergence and federation is not None:
             federation.share_round_uploads = True  # distances between every pair of the round's clients
         if self.partition and trainer.is_global_zero and hasattr(trainer.datamodule, "client_parts"):
             self.log_partition(trainer)
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        if self.divergence and trainer.is_global_zero and has_global_model(pl_module):
-            self._round_start = {n: p.detach().clone() for n, p in pl_module.model.named_parameters()}
+        model = global_model(pl_module) if self.divergence and trainer.is_global_zero else None
+        if model is not None:
+            self._round_start = {n: p.detach().clone() for n, p in model.named_parameters()}
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         # Under DDP every rank holds the same global model: rank 0 alone analyses it and writes the
         # files. Nothing below is a collective (no sync_dist, no barrier), so the other ranks go on
         # to the next round and meet rank 0 at the round's first collective.
-        if not trainer.is_global_zero:
-            return
+        federation = federation_of(trainer)
+        if not trainer.is_global_zero or (federation is not None and not federation.round_report.completed):
+            return  # (a round that stopped the run before its server step has nothing to analyse)
         round_no = trainer.current_epoch + 1  # rounds completed, 1-based
         scalars: dict[str, float] = {}
         files: dict[str, Any] = {}
@@ -187,14 +186,13 @@ class AnalysisCallback(L.Callback):
 
     # ---- models to analyse --------------------------------------------------------------------
     def models(self, pl_module) -> list[tuple[str, torch.nn.Module]]:
-        """("", the global model), or for model-heterogeneous methods ("client_k/", client k's model)."""
-        if has_global_model(pl_module):
-            return [("", pl_module.model)]
-        clients = getattr(pl_module, "client_models", [])
-        chosen = list(range(min(self.max_client_models, len(clients))))
-        self._once(f"{type(pl_module).__name__} has no global model: analysing the models of clients "
-                   f"{chosen} (--analysis.max_client_models)")
-        return [(f"client_{c}/", clients[c]) for c in chosen]
+        """The method's `analysis_models`: ("", the global model), or ("client_k/", client k's model)
+        for methods without one."""
+        models = pl_module.analysis_models(self.max_client_models)
+        if any(prefix for prefix, _ in models):
+            self._once(f"{type(pl_module).__name__} has no global model: analysing the models of "
+                       f"{', '.join(prefix.rstrip('/') for prefix, _ in models)} (--analysis.max_client_models)")
+        return models
 
     def check_model(self, pl_module) -> None:
         """Fails with one line before any work when the request cannot be met by the model."""
@@ -222,7 +220,7 @@ class AnalysisCallback(L.Callback):
         if self._test_subset is None:
             n = self.test_samples
             if n is None:  # the subset the federation evaluates local models on
-                fed = _federation(trainer)
+                fed = federation_of(trainer)
                 n = fed.local_eval_samples if fed is not None else 1000
             loader = trainer.datamodule.global_test_subset_loader(n)
             # Read directly: iterating a DataLoader draws its base seed from the global RNG.
@@ -236,25 +234,26 @@ class AnalysisCallback(L.Callback):
     # ---- the every-round statistics -----------------------------------------------------------
     @torch.no_grad()
     def round_divergence(self, trainer, pl_module, round_no: int, files: dict) -> dict[str, float]:
-        if not has_global_model(pl_module):
+        model = global_model(pl_module)
+        if model is None:
             self._once("divergence statistics need a global model; skipped for "
                        f"{type(pl_module).__name__} (model-heterogeneous)")
             return {}
-        federation = _federation(trainer)
-        uploads = federation.round_uploads if federation is not None else []
+        federation = federation_of(trainer)
+        report = federation.round_report if federation is not None else None
+        uploads = report.uploads if report is not None else []
         out: dict[str, float] = {}
         updates = client_updates([u.weights for u in uploads], self._round_start or {})
         if updates is not None:
             out.update(divergence_stats(updates))
         num_classes = pl_module.hparams.data_spec.num_classes
-        model = pl_module.model
         x, y = self.test_subset(trainer, pl_module.device)
         global_acc = classwise_accuracy(_scores(model, None, x, self.chunk_size), y, num_classes)
         out["global_class_acc_min"] = float(np.nanmin(global_acc.numpy()))
         out["global_class_acc_std"] = float(np.nanstd(global_acc.numpy()))
         if num_classes <= 20:
             out.update({f"global_class_acc/{c}": float(a) for c, a in enumerate(global_acc) if not math.isnan(a)})
-        accs = [s["local_acc"] for s in federation.round_client_stats if "local_acc" in s] if federation else []
+        accs = [c["local_acc"] for c in report.clients if "local_acc" in c] if report is not None else []
         if accs:  # each local model on the same test subset, as evaluated by the federation
             self._log_media(trainer, round_no, {"analysis/local_acc_hist": ("histogram", accs)})
             files["local_acc"] = accs
@@ -403,10 +402,6 @@ class AnalysisCallback(L.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._table_rows = list(state_dict.get("table_rows", []))
-
-
-def _federation(trainer) -> FederatedCallback | None:
-    return next((c for c in trainer.callbacks if isinstance(c, FederatedCallback)), None)
 
 
 def _stack(dataset, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
+from fl_lightning.evaluation import Evaluation
+
 
 def client_updates(uploads: Sequence[Mapping[str, torch.Tensor]], global_params: Mapping[str, torch.Tensor],
                    ) -> torch.Tensor | None:
@@ -44,10 +46,10 @@ def divergence_stats(updates: torch.Tensor) -> dict[str, float]:
 
 @torch.no_grad()
 def classwise_accuracy(scores: torch.Tensor, y: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """Accuracy per true class (NaN for a class absent from y)."""
-    correct = torch.bincount(y[scores.argmax(1) == y], minlength=num_classes).double()
-    total = torch.bincount(y, minlength=num_classes).double()
-    return torch.where(total > 0, correct / total.clamp_min(1), torch.full_like(total, float("nan")))
+    """Accuracy per true class (NaN for a class absent from y), on the CPU."""
+    metrics = Evaluation(num_classes, per_class=True).to(scores.device)
+    metrics.update(scores, y)
+    return metrics.result().class_accuracy.cpu()
 
 
 def partition_counts(labels: np.ndarray, parts: Sequence[np.ndarray], num_classes: int) -> np.ndarray:

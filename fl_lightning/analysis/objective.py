@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from fl_lightning.evaluation import eval_mode
+
 Params = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -38,18 +40,6 @@ def autograd_enabled() -> Iterator[None]:
 def _outside_inference(t: torch.Tensor) -> torch.Tensor:
     """A tensor made under inference mode cannot be saved for backward: a normal copy of it."""
     return t.clone() if t.is_inference() else t
-
-
-@contextlib.contextmanager
-def eval_mode(module: nn.Module) -> Iterator[nn.Module]:
-    """Eval mode for the duration, then every submodule's own train/eval flag restored."""
-    flags = [(m, m.training) for m in module.modules()]
-    module.eval()
-    try:
-        yield module
-    finally:
-        for m, training in flags:
-            m.training = training
 
 
 def flatten(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:

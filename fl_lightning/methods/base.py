@@ -3,25 +3,39 @@ place, what a client receives, how it takes one local step, what it uploads and 
 combines the uploads. The federated callback (federation.py) calls these hooks in this order:
 
     round_start(round, clients)      server: snapshot the global state every client starts from
-    client_start(client, n)          client: load the global state (+ its own persistent state),
-                                     fresh optimizer state
+    client_start(client, n)          client: load the global state (+ its own persistent state,
+                                     `client_states[client]`), fresh optimizer state
     training_step(work)              client: its whole local training, calling
                                      minibatch_step(batch) once per local mini-batch, which by
                                      default steps on loss(self.model, batch, loss_context())
-    client_end() -> ClientUpload     client: what it sends; state it keeps without sending it goes
-                                     through keep_on_client (committed if the upload is accepted)
+    client_end() -> ClientUpload     client: what it sends, and in `upload.kept` the state it
+                                     keeps for itself (stored by the callback once accepted)
     local_model_stats(test_loader)   client: measures of its trained model (local/* means)
-    aggregate(uploads)               server: uploads -> the next round's server state
-    aggregated_state()               server: what aggregation produced (checked for NaN/inf)
+    server_step(uploads)             server: the accepted uploads -> a `ServerUpdate` (the new
+                                     global state, new server-state values, the step's metrics);
+                                     it changes nothing itself: the callback checks the update
+                                     for NaN/inf and applies it (`apply_server_update`)
     round_end()                      server: per-round lr decay
+
+State has one home per kind: the global model is `self.model` (shared-model methods); everything
+else the server keeps between rounds is declared in `self.server` (`state.ServerState`, a
+submodule: moved with the device and checkpointed in the state_dict for every method); every
+client's own state is `self.client_states[client]` (`client_store.ClientStateStore`, one dict
+of tensors per client, under a prefix per kind: "model." for the client's own part of the model,
+"c." for SCAFFOLD's c_i, ...), written only from `upload.kept`; models a client uses for a while
+(a frozen teacher, a previous or personal model) are `self.copies` (`state.WorkingCopies`), never
+saved.
 
 Two siblings implement them over the common base `FederatedMethod`: `SharedModelMethod` (one
 global model every client starts from; between rounds `self.model` holds it, so Lightning's
-validation loop, checkpoints and `validate`/`test` see it with no extra plumbing) and
-`hetero_base.HeteroMethod` (each client its own architecture, evaluated on its own test split).
-Personalised evaluation starts fine-tuning from `finetune_start(client)`, whichever the family,
-and with `objective: method` fine-tunes on the same `loss(model, batch, context)` hook as local
-training (one loss hook; `LossContext` says what else a loss may use).
+validation loop, checkpoints and `validate`/`test` see it with no extra plumbing; state_dict keys
+named by `personal_keys(model)` stay with each client) and `hetero.base.HeteroMethod` (each
+client its own architecture, evaluated on its own test split). What the callbacks read of a
+method without knowing its family: `accuracy_key` (the metric that is the run's accuracy) and
+`analysis_models()` (the models the analyses look at). Personalised evaluation starts fine-tuning
+from `finetune_start(client)`, whichever the family, and with `objective: method` fine-tunes on the
+same `loss(model, batch, context)` hook as local training (one loss hook; `LossContext` says what
+else a loss may use).
 
 Every local step should go through `sgd_step(loss)` (backward, `after_backward`, gradient clipping
 (`--trainer.gradient_clip_val`), optimizer step, `after_optimizer_step`): the base
@@ -32,7 +46,7 @@ overrides must call super().
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -43,18 +57,18 @@ import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
-from torchmetrics import MeanMetric
-from torchmetrics.classification import MulticlassAccuracy
 
+from fl_lightning import compat
 from fl_lightning.client_store import ClientStateStore
 from fl_lightning.data.datamodule import ClientWork
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
+from fl_lightning.evaluation import EvalResult, Evaluation, evaluate
 from fl_lightning.fedconst import CONSTRAINT_MODES, ChannelConstraint, constrained_names
 from fl_lightning.models import FLModel, build_model
 from fl_lightning.parallel import ClientParallelStrategy, clients_in_parallel
-from fl_lightning.state import to_cpu
-from fl_lightning.uploads import ClientUpload, RoundUploads
+from fl_lightning.state import ServerState, State, WorkingCopies
+from fl_lightning.uploads import ClientUpload, RoundUploads, ServerUpdate
 
 
 def abstract_base(cls: type) -> type:
@@ -87,13 +101,21 @@ class LossContext:
     finetuning: bool = False
 
 
+def _weighted_sum(values: list, sizes: list[int]) -> tuple[float, float]:
+    """(sum of value * size, sum of sizes) in float64, with one device sync for all values."""
+    stacked = torch.as_tensor([float(v) for v in values], dtype=torch.float64) if not all(
+        isinstance(v, torch.Tensor) for v in values) else torch.stack(values).double().cpu()
+    weights = torch.as_tensor(sizes, dtype=torch.float64)
+    return float((stacked * weights).sum()), float(weights.sum())
+
+
 @abstract_base
 class FederatedMethod(L.LightningModule):
     """The common base of both method families: the local optimizer and step (manual
     optimization through `sgd_step`), one Trainer batch = one client (`training_step` calls
     `minibatch_step` per local mini-batch), per-step logs, per-client state, and the round's
     hooks the federated callback calls. `SharedModelMethod` (one global model) and
-    `hetero_base.HeteroMethod` (a model per client) are its two siblings.
+    `hetero.base.HeteroMethod` (a model per client) are its two siblings.
 
     Args:
         model: architecture name (see `fl_lightning.models.MODELS`), or a model group for
@@ -145,9 +167,10 @@ class FederatedMethod(L.LightningModule):
         self.current_client: int | None = None
         self.current_num_samples = 0
         self.local_step = 0  # steps the current client has taken this round
-        # {client: state} kept between rounds, in memory or (bounded) on disk: client_store.py
+        # the three homes of state (module docstring): the server's, every client's, working copies
+        self.server = ServerState()
         self.client_states = ClientStateStore()
-        self._kept_states: dict[int, dict[str, torch.Tensor]] = {}  # see keep_on_client
+        self.copies = WorkingCopies()
         self.constraint = constraint
         self._constraint: ChannelConstraint | None = None  # this round's constraint set
         self._base_after_step_ran = False
@@ -180,7 +203,7 @@ class FederatedMethod(L.LightningModule):
     def on_train_start(self) -> None:
         self._direct_steps = self._steps_need_no_lightning_wrappers()
         # --trainer.gradient_clip_val / _algorithm: Lightning refuses them under manual
-        # optimization, so the CLI's Trainer (analysis/command.py:FLTrainer) keeps them for us
+        # optimization, so the CLI's Trainer (trainer.py:FLTrainer) keeps them for us
         self._gradient_clip = (float(getattr(self.trainer, "local_gradient_clip_val", 0.0) or 0.0),
                                getattr(self.trainer, "local_gradient_clip_algorithm", "norm"))
 
@@ -222,24 +245,52 @@ class FederatedMethod(L.LightningModule):
         raise NotImplementedError
 
     def client_end(self) -> ClientUpload:
-        """Client: what it sends (state it keeps without sending goes through keep_on_client)."""
+        """Client: what it sends, and in `kept` what it keeps for itself (see ClientUpload)."""
         raise NotImplementedError
 
-    def aggregate(self, uploads: RoundUploads) -> None:
-        """Server: the accepted uploads -> the next round's server state. Sums over the round's
-        clients go through `uploads.sum` / `uploads.weighted_average` (they reduce across
-        processes when clients train in parallel); iterating `uploads` gives the clients this
-        process trained (per-client server-side state belongs there)."""
+    accuracy_key: str = "global/test_acc"  # the logged metric that is the run's accuracy
+
+    def server_step(self, uploads: RoundUploads) -> ServerUpdate:
+        """Server: the accepted uploads -> the next round's state, returned, not applied. Sums over
+        the round's clients go through `uploads.sum` / `uploads.weighted_average` (they reduce
+        across processes when clients train in parallel); a rule that is not a sum takes
+        `uploads.gathered()`."""
         raise NotImplementedError
+
+    def apply_server_update(self, update: ServerUpdate) -> None:
+        """Called by the round callback with `server_step`'s result once it is known finite."""
+        self.server.assign(update.server_state)
+        self.current_client = None
+
+    def abandon_round(self) -> None:
+        """The round stops the run before its server step (divergence): the module goes back to
+        where the round started, so nothing of the round is evaluated or saved."""
+        self.current_client = None
 
     def local_model_stats(self, test_loader: Callable[[], Iterable]) -> dict[str, float]:
         """Called right after `client_end`: measures of the client's just-trained model for the
         round's `local/*` means (e.g. its accuracy on the global test set, `test_loader()`)."""
         return {}
 
-    def aggregated_state(self) -> dict[str, torch.Tensor]:
-        """What aggregation produced, checked for NaN/inf by the callback after every round."""
-        return dict(self.state_dict())
+    def analysis_models(self, max_clients: int) -> list[tuple[str, nn.Module]]:
+        """The models the analyses (Hessian spectrum, loss surface, divergence) look at, each with
+        the prefix of its logged keys: ("", the global model), or for methods without one
+        ("client_k/", client k's model) for clients 0 .. max_clients-1."""
+        raise NotImplementedError
+
+    def client_state(self, client: int, prefix: str) -> State | None:
+        """The part of `client_states[client]` stored under `prefix` (e.g. "c." for SCAFFOLD's
+        c_i), with the prefix removed; None when the client has none."""
+        state = self.client_states.get(client)
+        if state is None:
+            return None
+        part = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        return part or None
+
+    @staticmethod
+    def prefixed(prefix: str, state: Mapping[str, torch.Tensor]) -> State:
+        """`state` with every key under `prefix`, detached (an `upload.kept` part)."""
+        return {prefix + k: v.detach() for k, v in state.items()}
 
     def finetune_start(self, client: int) -> FLModel:
         """The model personalised fine-tuning of `client` starts from (it is copied, never
@@ -305,14 +356,24 @@ class FederatedMethod(L.LightningModule):
     def flush_local_logs(self) -> dict[str, tuple[float, float]]:
         """What `log_local` collected this round on this process, as {key: (batch-size-weighted
         sum, total batch size)} (and forgets it); `merge_local_logs` turns such parts into means."""
-        sums = {}
-        for key, (values, sizes) in self._local_logs.items():
-            values = torch.as_tensor([float(v) for v in values], dtype=torch.float64) if not all(
-                isinstance(v, torch.Tensor) for v in values) else torch.stack(values).double().cpu()
-            weights = torch.as_tensor(sizes, dtype=torch.float64)
-            sums[key] = (float((values * weights).sum()), float(weights.sum()))
+        sums = {key: _weighted_sum(values, sizes) for key, (values, sizes) in self._local_logs.items()}
         self._local_logs = {}
         return sums
+
+    def local_log_position(self) -> dict[str, int]:
+        """Where `log_local`'s records stand now (for `local_log_means` of one client)."""
+        return {key: len(values) for key, (values, _) in self._local_logs.items()}
+
+    def local_log_means(self, since: dict[str, int]) -> dict[str, float]:
+        """The batch-size-weighted means of what `log_local` recorded after `since` (one client's
+        local training: its row in the round's per-client table)."""
+        out = {}
+        for key, (values, sizes) in self._local_logs.items():
+            start = since.get(key, 0)
+            if len(values) > start:
+                total, weight = _weighted_sum(values[start:], sizes[start:])
+                out[key] = total / weight
+        return out
 
     @staticmethod
     def merge_local_logs(parts: list[dict[str, tuple[float, float]]]) -> dict[str, float]:
@@ -335,9 +396,7 @@ class FederatedMethod(L.LightningModule):
             self.after_backward()
             self.on_before_optimizer_step(opt.optimizer)
             opt.optimizer.step()
-            progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
-            progress.increment_ready()
-            progress.increment_completed()
+            compat.count_manual_optimizer_step(self.trainer)
         else:  # precision plugins (autocast, loss scaling), DDP and per-step callback hooks
             opt.zero_grad(set_to_none=True)
             self.manual_backward(loss)
@@ -391,42 +450,24 @@ class FederatedMethod(L.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.predict_logits(x)
 
-    # ---- state a client keeps without uploading it ---------------------------------------------
-    def configure_client_stores(self, directory, cache_size: int) -> None:
-        """Where per-client state files go and how many clients stay in memory (the federated
-        callback sets this from its options at fit start)."""
-        self.client_states.configure(None if directory is None else Path(directory) / "states", cache_size)
+    # ---- client state: where the files go, checkpoints ----------------------------------------
 
-    def keep_on_client(self, state: dict[str, torch.Tensor]) -> None:
-        """Keep `state` (copied to the CPU) as the current client's own persistent state, never
-        uploaded (Ditto's personal model, FedPer's head, FedKD's W_h). It becomes
-        `client_states[client]` when the server accepts this round's upload (`commit_kept_states`),
-        so a client whose upload is dropped as non-finite keeps its previous state."""
-        self._kept_states[self.current_client] = to_cpu(state)
+    def configure_client_stores(self, directory, cache_size: int, rank: int = 0) -> None:
+        """Where per-client state files go, how many clients stay in memory and which process
+        this is (the federated callback sets this from its options before a checkpoint is loaded)."""
+        self.client_states.configure(directory, cache_size, rank)
 
-    runs_clients_in_parallel: bool = True  # see federation.FederatedCallback(parallel="clients")
-
-    def sync_client_states(self, collective) -> None:
-        """After the round's server step, with clients in parallel: every process learns where
-        the others put the states of the clients they trained (client_store.py)."""
-        self.client_states.sync(collective)
-
-    def commit_kept_states(self, accepted: list[ClientUpload]) -> None:
-        """Called by the federation after aggregation with the uploads the server accepted."""
-        for u in accepted:
-            if u.client in self._kept_states:
-                self.client_states[u.client] = self._kept_states[u.client]
-        self._kept_states = {}
-
-    # ---- persistent client state survives checkpoints -----------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        from fl_lightning.checkpointing import FORMAT
+
+        checkpoint["fl_format"] = FORMAT
         checkpoint["fl_client_states"] = self.client_states.checkpoint_state()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        saved = checkpoint.get("fl_client_states", {})
-        if "manifest" not in saved and "states" not in saved:  # a checkpoint from before the store
-            saved = {"states": saved}
-        self.client_states.load_checkpoint_state(saved)
+        # the files a checkpoint names are beside it, wherever this run writes its own
+        path = getattr(self._trainer, "ckpt_path", None) if self._trainer is not None else None
+        base = Path(path).parent / "client_states" if path else None
+        self.client_states.load_checkpoint_state(checkpoint.get("fl_client_states", {"states": {}}), base=base)
 
     # ---- multi-device -------------------------------------------------------------------------
     def mean_across_devices(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -445,6 +486,11 @@ class SharedModelMethod(FederatedMethod):
     global model, so Lightning's validation loop, checkpoints and `validate`/`test` see it with
     no extra plumbing.
 
+    A method can leave part of the model with the clients (`personal_keys`: FedPer/FedRep's head,
+    FedBN's BatchNorm layers): those state_dict entries are never uploaded nor averaged; each
+    client keeps its own (`client_states[k]` under "model."), starting from the initial global
+    values, which the server never changes.
+
     Args:
         model: architecture name (see `fl_lightning.models.MODELS`).
         lr, momentum, weight_decay, lr_decay, lr_milestones, lr_milestone_gamma, server_lr,
@@ -457,39 +503,46 @@ class SharedModelMethod(FederatedMethod):
         super().__init__(**kwargs)
         spec = self.hparams.data_spec
         self.model: FLModel = self.build_network(self.hparams.model, spec)
-        self.val_acc = MulticlassAccuracy(num_classes=spec.num_classes, average="micro")
-        self.test_acc = MulticlassAccuracy(num_classes=spec.num_classes, average="micro")
-        # nan_strategy "disable": a NaN loss must reach the divergence policy, not be dropped
-        self.val_loss = MeanMetric(nan_strategy="disable")
-        self.test_loss = MeanMetric(nan_strategy="disable")
+        self.val_eval = Evaluation(spec.num_classes, sync=True)
+        self.test_eval = Evaluation(spec.num_classes, sync=True)
         self.global_weights: dict[str, torch.Tensor] | None = None
-        self._global_model: FLModel | None = None
+        self._personal: list[str] | None = None
 
     def build_network(self, name: str, spec: DataSpec) -> FLModel:
         return build_model(name, spec)
+
+    def personal_keys(self, model: nn.Module) -> list[str]:
+        """The state_dict keys of `model` each client keeps for itself (see the class docstring);
+        none by default."""
+        return []
+
+    @property
+    def personal(self) -> list[str]:
+        """`personal_keys(self.model)`, asked once."""
+        if self._personal is None:
+            self._personal = list(self.personal_keys(self.model))
+        return self._personal
+
+    def analysis_models(self, max_clients: int) -> list[tuple[str, nn.Module]]:
+        return [("", self.model)]
 
     # ---- server: round start ------------------------------------------------------------------
     def round_start(self, round_idx: int, clients: list[int]) -> None:
         super().round_start(round_idx, clients)
         self.global_weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         if self.needs_global_model:
-            if self._global_model is None:
-                # via __dict__: assigning a Module attribute would register it as a submodule, put
-                # it in every checkpoint and break resuming into a fresh instance (unexpected keys)
-                self.__dict__["_global_model"] = copy.deepcopy(self.model).requires_grad_(False)
-            self._global_model.load_state_dict(self.global_weights)
             # eval(): a teacher's output should not depend on BN batch mode or dropout draws
-            self._global_model.to(self.device).eval()
+            self.copies.get("teacher", self.model, self.global_weights, self.device)
         if self.constraint != "none":
             names = constrained_names(self.model)
             self._constraint = ChannelConstraint(self.constraint, self.global_weights, names)
 
     @property
     def global_model(self) -> FLModel:
-        """The frozen round-start global model (not a submodule: never trained, never saved)."""
-        if self._global_model is None:
+        """The frozen round-start global model (a working copy: never trained, never saved)."""
+        if not self.needs_global_model or "teacher" not in self.copies:
             raise RuntimeError(f"{type(self).__name__} must set needs_global_model = True")
-        return self._global_model
+        return self.copies["teacher"]
 
     def global_params(self) -> dict[str, torch.Tensor]:
         return {n: self.global_weights[n] for n, _ in self.model.named_parameters()}
@@ -499,99 +552,121 @@ class SharedModelMethod(FederatedMethod):
         self.current_client, self.current_num_samples = client, num_samples
         self.seed_client(client)
         self.model.load_state_dict(self.global_weights)
+        if self.personal:
+            self.load_model_part(self.personal_state(client))
         self.reset_optimizer_state()
         self.local_step = 0
         self.model.train()
 
     def client_end(self) -> ClientUpload:
-        weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        stats = {"drift": self.distance_to_global()}
-        return ClientUpload(self.current_client, self.current_num_samples, weights, stats)
+        state = self.model.state_dict()
+        weights = {k: v.detach().clone() for k, v in state.items() if k not in self.personal}
+        upload = ClientUpload(self.current_client, self.current_num_samples, weights,
+                              {"drift": self.distance_to_global()})
+        if self.personal:
+            upload.kept.update(self.prefixed("model.", {k: state[k] for k in self.personal}))
+        return upload
+
+    def personal_state(self, client: int) -> dict[str, torch.Tensor]:
+        """Client `client`'s own part of the model (`personal_keys`); the initial global values
+        (which the server never changes) for a client that has not trained yet."""
+        own = self.client_state(client, "model.")
+        if own is not None:
+            return own
+        source = self.global_weights if self.global_weights is not None else self.model.state_dict()
+        return {k: source[k] for k in self.personal}
+
+    def load_model_part(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Copies `state` (some of the model's state_dict entries) into `self.model`."""
+        with torch.no_grad():
+            current = self.model.state_dict()
+            for k, v in state.items():
+                current[k].copy_(v)
 
     def distance_to_global(self) -> float:
-        """||w_k - w_g||_2 over all parameters."""
+        """||w_k - w_g||_2 over the shared parameters (a personal part has no global counterpart)."""
         g = self.global_params()
-        sq = sum(((p.detach() - g[n]) ** 2).sum() for n, p in self.model.named_parameters())
+        sq = sum(((p.detach() - g[n]) ** 2).sum() for n, p in self.model.named_parameters() if n not in self.personal)
         return float(torch.sqrt(sq))
 
     def local_model_stats(self, test_loader: Callable[[], Iterable]) -> dict[str, float]:
-        acc, loss = self.evaluate(test_loader())
-        return {"local_acc": acc, "local_loss": loss}
-
-    def aggregated_state(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()
+        result = self.evaluate(test_loader())
+        return {"local_acc": result.accuracy, "local_loss": result.loss}
 
     def finetune_start(self, client: int) -> FLModel:
         return self.model
 
-    @torch.no_grad()
+    def personal_model(self, client: int) -> nn.Module | None:
+        """With a personal part: the global model with client `client`'s own part, a new module
+        on `self.device` (FedPer/FedRep/FedBN's personalised model); else None."""
+        if not self.personal:
+            return None
+        # between rounds self.model is the global model; inside a round it is a client's model
+        state = self.model.state_dict() if self.current_client is None else self.global_weights
+        state = {k: v.detach().clone() for k, v in state.items()}
+        state.update(self.personal_state(client))
+        model = copy.deepcopy(self.model).requires_grad_(True).eval()
+        model.load_state_dict(state)
+        return model.to(self.device)
+
     def global_test_metrics(self, loader: Callable[[], Iterable]) -> dict[str, float]:
-        was_training = self.model.training
-        self.model.eval()
-        correct = total = 0
-        for x, y in loader():
-            x, y = x.to(self.device), y.to(self.device)
-            correct += int((self.model(x).argmax(1) == y).sum())
-            total += len(y)
-        self.model.train(was_training)
-        return {"global_test_acc": correct / total if total else float("nan")}
+        return {"global_test_acc": self.evaluate(loader()).accuracy}
 
-    # ---- server: aggregation ------------------------------------------------------------------
-    def aggregate(self, uploads: RoundUploads) -> None:
+    # ---- server -------------------------------------------------------------------------------
+    def server_step(self, uploads: RoundUploads) -> ServerUpdate:
         """Sample-weighted FedAvg with a server step size: w_g + eta * (avg(w_k) - w_g)."""
-        avg = uploads.weighted_average(lambda u: u.weights)
-        self.load_global(self.server_step(avg))
+        return ServerUpdate(global_state=self.global_from_average(uploads.weighted_average(lambda u: u.weights)))
 
-    def server_step(self, avg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def global_from_average(self, avg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The next global state from the clients' average: the server step size applied, and the
+        entries the average lacks (personal, frozen) kept at their round-start values."""
         eta = self.hparams.server_lr
-        if eta == 1.0:
-            return avg
-        return {k: (g + eta * (avg[k] - g)) if torch.is_floating_point(g) else avg[k]
-                for k, g in self.global_weights.items()}
+        out = {}
+        for k, g in self.global_weights.items():
+            if k not in avg:
+                out[k] = g
+            elif eta == 1.0 or not torch.is_floating_point(g):
+                out[k] = avg[k]
+            else:
+                out[k] = g + eta * (avg[k] - g)
+        return out
 
-    def load_global(self, state: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(state)
-        self.current_client = None
+    def apply_server_update(self, update: ServerUpdate) -> None:
+        super().apply_server_update(update)
+        if update.global_state is not None:
+            self.model.load_state_dict(update.global_state)
+
+    def abandon_round(self) -> None:
+        super().abandon_round()
+        self.model.load_state_dict(self.global_weights)
 
     def loss_context(self) -> LossContext:
         """The round-start global model is the teacher of methods that set needs_global_model."""
-        return LossContext(teacher=self._global_model if self.needs_global_model else None)
+        return LossContext(teacher=self.global_model if self.needs_global_model else None)
 
     # ---- evaluation ---------------------------------------------------------------------------
-    def _eval_step(self, batch, acc: MulticlassAccuracy, loss: MeanMetric) -> None:
-        x, y = batch
-        logits = self.predict_logits(x)
-        acc.update(logits, y)
-        loss.update(F.cross_entropy(logits.float(), y), weight=len(y))
-
-    def _log_eval(self, acc: MulticlassAccuracy, loss: MeanMetric, prefix: str) -> None:
-        """Logged once per evaluation (torchmetrics syncs across processes), not per batch."""
-        self.log(f"{prefix}_loss", loss, on_epoch=True)
-        self.log(f"{prefix}_acc", acc, on_epoch=True, prog_bar=True)
-
     def validation_step(self, batch, batch_idx: int):
-        self._eval_step(batch, self.val_acc, self.val_loss)
+        x, y = batch
+        self.val_eval.update(self.predict_logits(x), y)
 
     def on_validation_epoch_end(self) -> None:
-        self._log_eval(self.val_acc, self.val_loss, "global/test")
+        self._log_eval(self.val_eval)
 
     def test_step(self, batch, batch_idx: int):
-        self._eval_step(batch, self.test_acc, self.test_loss)
+        x, y = batch
+        self.test_eval.update(self.predict_logits(x), y)
 
     def on_test_epoch_end(self) -> None:
-        self._log_eval(self.test_acc, self.test_loss, "test/global")
+        self._log_eval(self.test_eval)
 
-    @torch.no_grad()
-    def evaluate(self, loader) -> tuple[float, float]:
-        """Accuracy and mean CE of the current `self.model` on a loader (for local-model metrics)."""
-        was_training = self.model.training
-        self.model.eval()
-        correct, total, loss_sum = 0, 0, 0.0
-        for x, y in loader:
-            x, y = x.to(self.device), y.to(self.device)
-            logits = self.predict_logits(x).float()
-            loss_sum += float(F.cross_entropy(logits, y, reduction="sum"))
-            correct += int((logits.argmax(1) == y).sum())
-            total += len(y)
-        self.model.train(was_training)
-        return correct / total, loss_sum / total
+    def _log_eval(self, metrics: Evaluation) -> None:
+        """Logged once per evaluation (torchmetrics syncs across processes), not per batch; the
+        same names in fit's validation, `validate` and `test`: they all evaluate the global model
+        on the global test set."""
+        self.log("global/test_loss", metrics.loss, on_epoch=True)
+        self.log("global/test_acc", metrics.accuracy, on_epoch=True, prog_bar=True)
+
+    def evaluate(self, loader) -> EvalResult:
+        """The current `self.model` (with this method's class scores) on a loader."""
+        return evaluate(self.model, loader, self.hparams.data_spec.num_classes, self.device,
+                        scores=self.predict_logits)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from torch import nn
 
 from fl_lightning.data.datasets import DataSpec
-from fl_lightning.errors import unknown_name
+from fl_lightning.errors import FLUserError, unknown_name
 from fl_lightning.models.base import FLModel
 from fl_lightning.models.cnn import FedAvgCNN
 from fl_lightning.models.lenet import LeNet5
@@ -28,6 +28,7 @@ MODELS: dict[str, Callable[..., FLModel]] = {
     # MobileNet v1 for 32x32 (FedBABU/FedDr+ on CIFAR-100); 1024 features.
     "mobilenet": lambda spec, **kw: CifarMobileNet(spec.in_channels, spec.num_classes, **kw),
     "mlp": lambda spec, **kw: MLP(spec.in_channels * spec.image_size**2, spec.num_classes, **kw),
+    "mlp_bn": lambda spec, **kw: MLP(spec.in_channels * spec.image_size**2, spec.num_classes, batch_norm=True, **kw),
     # FedCONST's models: no batch norm, no biases (every weight is a constrained channel matrix).
     "lenet5": lambda spec, **kw: LeNet5(spec.in_channels, spec.num_classes, spec.image_size, **kw),
     "lenet5_nobias": lambda spec, **kw: LeNet5(spec.in_channels, spec.num_classes, spec.image_size,
@@ -37,10 +38,51 @@ MODELS: dict[str, Callable[..., FLModel]] = {
 }
 
 
+_FITS: set[tuple[str, DataSpec]] = set()  # (model, data) pairs a forward pass has been checked on
+
+
 def build_model(name: str, spec: DataSpec, **kwargs) -> FLModel:
+    """The architecture `name` for data of `spec`; one line, not a shape traceback, when its layers
+    cannot take the data's images (a 5x5 convolution without padding on 8x8 digits, say)."""
     if name not in MODELS:
         raise unknown_name("model", name, MODELS)
-    return MODELS[name](spec, **kwargs)
+    try:
+        model = MODELS[name](spec, **kwargs)
+        if (name, spec) not in _FITS:
+            _forward_once(model, spec)
+            _FITS.add((name, spec))
+    except (RuntimeError, ValueError) as err:
+        fits = [m for m in sorted(MODELS) if m != name and _fits(m, spec)]
+        reason = str(err).strip().splitlines()[0][:160]
+        size = f"{spec.in_channels}x{spec.image_size}x{spec.image_size}"
+        raise FLUserError(f"model {name} cannot take {size} images ({reason}); models that can: {', '.join(fits)} "
+                          f"(or --data.resize to a larger size)") from None
+    return model
+
+
+def _forward_once(model: nn.Module, spec: DataSpec) -> None:
+    """One forward pass of two zero images in eval mode (no parameter, buffer or RNG changes)."""
+    import torch
+
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(torch.zeros(2, spec.in_channels, spec.image_size, spec.image_size))
+    finally:
+        for m, training in flags:
+            m.training = training
+
+
+def _fits(name: str, spec: DataSpec) -> bool:
+    import torch
+
+    with torch.random.fork_rng(devices=[]):  # building a model draws its initial weights
+        try:
+            _forward_once(MODELS[name](spec), spec)
+            return True
+        except (RuntimeError, ValueError):
+            return False
 
 
 def register_model(name: str, factory: Callable[..., FLModel]) -> None:

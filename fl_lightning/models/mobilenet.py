@@ -5,16 +5,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.models.base import FLModel
-from fl_lightning.models.resnet import _norm
+from fl_lightning.models.resnet import norm_layer
 
 
 class _DepthwiseSeparable(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int, norm: str):
         super().__init__()
         self.depthwise = nn.Conv2d(cin, cin, 3, stride, 1, groups=cin, bias=False)
-        self.bn1 = _norm(cin, norm)
+        self.bn1 = norm_layer(cin, norm)
         self.pointwise = nn.Conv2d(cin, cout, 1, 1, 0, bias=False)
-        self.bn2 = _norm(cout, norm)
+        self.bn2 = norm_layer(cout, norm)
 
     def forward(self, x):
         x = F.relu(self.bn1(self.depthwise(x)))
@@ -32,7 +32,7 @@ class CifarMobileNet(FLModel):
 
     def __init__(self, in_channels: int, num_classes: int, norm: str = "bn"):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(in_channels, 32, 3, 1, 1, bias=False), _norm(32, norm), nn.ReLU())
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, 32, 3, 1, 1, bias=False), norm_layer(32, norm), nn.ReLU())
         blocks, cin = [], 32
         for cout, stride in self.CONFIG:
             blocks.append(_DepthwiseSeparable(cin, cout, stride, norm))

@@ -7,7 +7,7 @@ from torch import nn
 from fl_lightning.models.base import FLModel
 
 
-def _norm(channels: int, norm: str) -> nn.Module:
+def norm_layer(channels: int, norm: str) -> nn.Module:
     # The FedSOL code uses BatchNorm with track_running_stats=False: statistics of the current
     # batch in train and eval alike, so no running buffers drift between clients. "none" is
     # FedCONST's BN-free variant.
@@ -24,12 +24,12 @@ class BasicBlock(nn.Module):
     def __init__(self, cin: int, cout: int, stride: int, norm: str, bias: bool):
         super().__init__()
         self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=bias)
-        self.bn1 = _norm(cout, norm)
+        self.bn1 = norm_layer(cout, norm)
         self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=bias)
-        self.bn2 = _norm(cout, norm)
+        self.bn2 = norm_layer(cout, norm)
         self.shortcut = nn.Sequential()
         if stride != 1 or cin != cout:
-            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=bias), _norm(cout, norm))
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=bias), norm_layer(cout, norm))
 
     def forward(self, x):
         out = F.relu(self.bn1(self.conv1(x)))
@@ -43,7 +43,7 @@ class CifarResNet(FLModel):
     def __init__(self, in_channels: int, num_classes: int, blocks=(2, 2, 2, 2), norm: str = "bn_batchstats",
                  bias: bool = False, head_bias: bool = True):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(in_channels, 64, 3, 1, 1, bias=bias), _norm(64, norm), nn.ReLU())
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, 64, 3, 1, 1, bias=bias), norm_layer(64, norm), nn.ReLU())
         layers, cin = [], 64
         for i, n in enumerate(blocks):
             cout = 64 * 2**i

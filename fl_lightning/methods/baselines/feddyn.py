@@ -6,9 +6,9 @@ objective's.
     server state:   h <- h - (alpha/N) sum_S (w_i - w_g)                (N: all clients)
     global model:   w <- mean_S(w_i) - h / alpha                        (unweighted mean, as in the paper)
 
-g_i starts at zero and is kept on CPU only for clients that have taken part; it is committed at
-aggregation, so a client whose upload is rejected keeps its old g_i. Non-parameter buffers are
-averaged as in FedAvg.
+g_i starts at zero; a client keeps its new g_i (`upload.kept`, stored once the upload is accepted,
+so a client whose upload is rejected keeps its old g_i); h is server state. Non-parameter buffers
+are averaged as in FedAvg.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import LossContext, SharedModelMethod
-from fl_lightning.state import ServerStateMixin, state_or_zeros, to_cpu
-from fl_lightning.uploads import RoundUploads
+from fl_lightning.state import trainable_zeros
+from fl_lightning.uploads import ClientUpload, RoundUploads, ServerUpdate
 
 
-class FedDyn(ServerStateMixin, SharedModelMethod):
+class FedDyn(SharedModelMethod):
     """FedDyn (Acar et al., ICLR 2021): a dynamic regulariser that aligns local and global
     stationary points.
 
@@ -32,23 +32,19 @@ class FedDyn(ServerStateMixin, SharedModelMethod):
         alpha: weight of the dynamic regulariser (FedSOL paper 0.1).
     """
 
-    server_state = ("server_h",)
-
     def __init__(self, alpha: float = 0.1, **kwargs):
         super().__init__(**kwargs)
         if alpha <= 0:
             raise FLUserError(f"FedDyn alpha must be > 0, got {alpha}")
         self.save_hyperparameters()
-        self.server_h: dict[str, torch.Tensor] | None = None
+        self.server.tensors("h", trainable_zeros(self.model))
         self._client_g: dict[str, torch.Tensor] = {}
-
-    def round_start(self, round_idx: int, clients: list[int]) -> None:
-        super().round_start(round_idx, clients)
-        self.server_h = state_or_zeros(self.server_h, self.model, self.device)
 
     def client_start(self, client: int, num_samples: int) -> None:
         super().client_start(client, num_samples)
-        self._client_g = state_or_zeros(self.client_states.get(client), self.model, self.device)
+        stored = self.client_state(client, "g.")
+        self._client_g = trainable_zeros(self.model) if stored is None else {
+            n: v.to(self.device) for n, v in stored.items()}
 
     def dynamic_regularizer(self, params: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """-<g_i, w> + (alpha/2) ||w - w_g||^2 at the weights `params` (by name; FedSOL+FedDyn
@@ -68,23 +64,22 @@ class FedDyn(ServerStateMixin, SharedModelMethod):
             return ce
         return ce + self.dynamic_regularizer(dict(model.named_parameters()))
 
-    def aggregate(self, uploads: RoundUploads) -> None:
+    def client_end(self) -> ClientUpload:
+        upload = super().client_end()
+        alpha = self.hparams.alpha
+        # g_i <- g_i - alpha (w_i - w_g)
+        upload.kept.update(self.prefixed("g.", {n: self._client_g[n] - alpha * (upload.weights[n] - wg)
+                                                for n, wg in self.global_params().items() if n in self._client_g}))
+        return upload
+
+    def server_step(self, uploads: RoundUploads) -> ServerUpdate:
         alpha = self.hparams.alpha
         num_clients = self.trainer.datamodule.num_clients
-        g = self.global_params()
+        g, h = self.global_params(), self.server["h"]
         new = uploads.weighted_average(lambda u: u.weights, weight=lambda u: 1.0)
-        for u in uploads:  # g_i on the process that trained client i
-            old = self.client_states.get(u.client)
-            state = {}
-            for n, wg in g.items():
-                if n not in self.server_h:
-                    continue
-                delta = u.weights[n].to(wg.device) - wg
-                state[n] = (0 if old is None else old[n].to(wg.device)) - alpha * delta
-            self.client_states[u.client] = to_cpu(state)
-        deltas = uploads.sum(lambda u: {n: u.weights[n] - wg for n, wg in g.items() if n in self.server_h})
-        for n, delta in deltas.items():  # h -= (alpha / N) sum_i (w_i - w_g)
-            self.server_h[n] -= ((alpha / num_clients) * delta).to(self.server_h[n].dtype)
-        for n, h in self.server_h.items():
-            new[n] = new[n] - h / alpha
-        self.load_global(new)
+        deltas = uploads.sum(lambda u: {n: u.weights[n] - wg for n, wg in g.items() if n in h})
+        # h -= (alpha / N) sum_i (w_i - w_g)
+        new_h = {n: h[n] - ((alpha / num_clients) * deltas[n]).to(h[n].dtype) if n in deltas else h[n] for n in h}
+        for n, value in new_h.items():
+            new[n] = new[n] - value / alpha
+        return ServerUpdate(global_state=new, server_state={"h": new_h})

@@ -15,8 +15,7 @@ import torch
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import SharedModelMethod
-from fl_lightning.state import ServerStateMixin, to_device
-from fl_lightning.uploads import RoundUploads
+from fl_lightning.uploads import RoundUploads, ServerUpdate
 
 
 def fedexp_step(spread: float, mean_sq: float, num_clients: int, eps: float) -> float:
@@ -36,15 +35,13 @@ def fedexp_step_size(deltas: list[dict[str, torch.Tensor]], weights: list[float]
     return fedexp_step(spread, mean_sq, len(deltas), eps)
 
 
-class FedExP(ServerStateMixin, SharedModelMethod):
+class FedExP(SharedModelMethod):
     """FedExP (Jhunjhunwala et al., ICLR 2023): an adaptive server step size from the clients'
     updates (extrapolation).
 
     Args:
         eps: the step-size denominator's regulariser (paper 1e-3).
     """
-
-    server_state = ("iterate",)
 
     def __init__(self, eps: float = 1e-3, **kwargs):
         super().__init__(**kwargs)
@@ -53,14 +50,14 @@ class FedExP(ServerStateMixin, SharedModelMethod):
         if eps <= 0:
             raise FLUserError(f"FedExP eps must be > 0, got {eps}")
         self.save_hyperparameters()
-        self.iterate: dict[str, torch.Tensor] | None = None
+        self.server.tensors("iterate", self.model.state_dict())
 
     def round_start(self, round_idx: int, clients: list[int]) -> None:
-        if self.iterate is not None:  # clients start from the iterate, not from the reported average
-            self.model.load_state_dict(to_device(self.iterate, self.device))
+        # clients start from the iterate, not from the reported average
+        self.model.load_state_dict(self.server["iterate"])
         super().round_start(round_idx, clients)
 
-    def aggregate(self, uploads: RoundUploads) -> None:
+    def server_step(self, uploads: RoundUploads) -> ServerUpdate:
         g = self.global_params()
         new = uploads.weighted_average(lambda u: u.weights)  # buffers as in FedAvg
         # sum_i p_i ||Delta_i||^2 is a weighted sum too; ||Delta||^2 is the average's distance
@@ -70,8 +67,6 @@ class FedExP(ServerStateMixin, SharedModelMethod):
         eta = fedexp_step(float(spread["sq"] / spread["n"]), mean_sq, uploads.count, self.hparams.eps)
         for n, wg in g.items():
             new[n] = wg + eta * (new[n] - wg)
-        self.iterate = {k: v.detach().clone() for k, v in new.items()}
         reported = {k: (v + self.global_weights[k]) / 2 if torch.is_floating_point(v) else v
                     for k, v in new.items()}
-        self.log("fedexp/eta_g", eta, on_step=False, on_epoch=True, batch_size=1)
-        self.load_global(reported)
+        return ServerUpdate(global_state=reported, server_state={"iterate": new}, metrics={"fedexp/eta_g": eta})

@@ -12,8 +12,8 @@ is not reproduced. Non-parameter buffers (e.g. BN statistics) are averaged as in
 from __future__ import annotations
 
 from fl_lightning.methods.base import SharedModelMethod
-from fl_lightning.state import effective_steps
-from fl_lightning.uploads import ClientUpload, RoundUploads
+from fl_lightning.methods.baselines.local_steps import effective_steps
+from fl_lightning.uploads import ClientUpload, RoundUploads, ServerUpdate
 
 
 class FedNova(SharedModelMethod):
@@ -22,7 +22,7 @@ class FedNova(SharedModelMethod):
         upload.local_steps = self.local_step
         return upload
 
-    def aggregate(self, uploads: RoundUploads) -> None:
+    def server_step(self, uploads: RoundUploads) -> ServerUpdate:
         new = uploads.weighted_average(lambda u: u.weights)  # buffers; parameters are replaced below
         g = self.global_params()
         momentum = self.hparams.momentum
@@ -37,5 +37,4 @@ class FedNova(SharedModelMethod):
         tau_eff = float(sums.pop("n_a")) / n
         for name, wg in g.items():
             new[name] = (wg.double() - self.hparams.server_lr * tau_eff * sums[name] / n).to(wg.dtype)
-        self.log("fednova/tau_eff", tau_eff, on_step=False, on_epoch=True, batch_size=1)
-        self.load_global(new)
+        return ServerUpdate(global_state=new, metrics={"fednova/tau_eff": tau_eff})

@@ -5,15 +5,13 @@ the global model's and pushed away from the client's own previous local model's:
           = CE([cos(z, z_g), cos(z, z_prev)] / tau, label 0)
     L     = CE(head(z), y) + mu * l_con
 
-z = model.features(x) (no extra projection head); z_g and z_prev come from frozen copies under
-no_grad. A client's previous model is its last accepted upload, kept on CPU only for clients that
-have taken part; before that it is the initial global model (as in the official code, where every
-client's previous model starts as the round-0 model).
+z = model.features(x) (no extra projection head); z_g and z_prev come from frozen working copies
+under no_grad. A client's previous model is its last accepted upload, which it keeps
+(`upload.kept`); before that it is the initial global model (server state, as in the official
+code, where every client's previous model starts as the round-0 model).
 """
 
 from __future__ import annotations
-
-import copy
 
 import torch
 import torch.nn.functional as F
@@ -21,8 +19,7 @@ import torch.nn.functional as F
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import LossContext, SharedModelMethod
 from fl_lightning.models import FLModel
-from fl_lightning.state import ServerStateMixin, to_cpu
-from fl_lightning.uploads import RoundUploads
+from fl_lightning.uploads import ClientUpload
 
 
 def moon_contrastive_loss(z: torch.Tensor, z_global: torch.Tensor, z_prev: torch.Tensor,
@@ -34,7 +31,7 @@ def moon_contrastive_loss(z: torch.Tensor, z_global: torch.Tensor, z_prev: torch
     return F.cross_entropy(logits, torch.zeros(len(z), dtype=torch.long, device=z.device))
 
 
-class MOON(ServerStateMixin, SharedModelMethod):
+class MOON(SharedModelMethod):
     """MOON (Li et al., CVPR 2021): a model-contrastive loss pulls the local representation toward
     the global model's and away from the client's previous one.
 
@@ -44,32 +41,22 @@ class MOON(ServerStateMixin, SharedModelMethod):
     """
 
     needs_global_model = True
-    server_state = ("initial_weights",)
 
     def __init__(self, mu: float = 0.1, tau: float = 0.5, **kwargs):
         super().__init__(**kwargs)
         if mu < 0 or tau <= 0:
             raise FLUserError(f"MOON needs mu >= 0 and tau > 0, got mu={mu}, tau={tau}")
         self.save_hyperparameters()
-        self.initial_weights: dict[str, torch.Tensor] | None = None
-        # a plain attribute, not a submodule: never trained, never in state_dict
-        self.__dict__["_prev_model"] = None
+        self.server.tensors("initial", self.model.state_dict())
 
     @property
     def prev_model(self) -> FLModel:
-        return self.__dict__["_prev_model"]
-
-    def round_start(self, round_idx: int, clients: list[int]) -> None:
-        super().round_start(round_idx, clients)
-        if self.initial_weights is None:
-            self.initial_weights = to_cpu(self.global_weights)
+        return self.copies["previous"]
 
     def client_start(self, client: int, num_samples: int) -> None:
         super().client_start(client, num_samples)
-        if self.prev_model is None:
-            self.__dict__["_prev_model"] = copy.deepcopy(self.model).requires_grad_(False)
-        self.prev_model.load_state_dict(self.client_states.get(client, self.initial_weights))
-        self.prev_model.to(self.device).eval()
+        previous = self.client_state(client, "previous.") or self.server["initial"]
+        self.copies.get("previous", self.model, previous, self.device)
 
     def contrastive_term(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """mu * l_con of the representation z of x (MOON's regulariser; FedSOL+MOON perturbs along it)."""
@@ -87,7 +74,7 @@ class MOON(ServerStateMixin, SharedModelMethod):
         z = model.features(x)
         return F.cross_entropy(model.head(z), y) + self.contrastive_term(x, z)
 
-    def aggregate(self, uploads: RoundUploads) -> None:
-        for u in uploads:
-            self.client_states[u.client] = to_cpu(u.weights)
-        super().aggregate(uploads)
+    def client_end(self) -> ClientUpload:
+        upload = super().client_end()
+        upload.kept.update(self.prefixed("previous.", upload.weights))
+        return upload

@@ -8,8 +8,8 @@ drift.
 N is the number of all clients. With momentum m the K steps move the weights lr * K_eff times the
 average gradient, K_eff = (K - m(1 - m^K)/(1 - m)) / (1 - m) (as the official code of the FedSOL
 authors does); `momentum_correction: false` uses the paper's plain K. A client that has not taken
-part has c_i = 0; c_i is kept on CPU only for clients that have, and it is committed at
-aggregation, so a client whose upload is rejected as non-finite keeps its old c_i.
+part has c_i = 0; a client keeps its c_i+ (`upload.kept`, stored once the upload is accepted, so a
+client whose upload is rejected as non-finite keeps its old c_i); the server's c is server state.
 """
 
 from __future__ import annotations
@@ -17,36 +17,34 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.methods.base import SharedModelMethod
-from fl_lightning.state import ServerStateMixin, effective_steps, state_or_zeros, to_cpu
-from fl_lightning.uploads import ClientUpload, RoundUploads
+from fl_lightning.methods.baselines.local_steps import effective_steps
+from fl_lightning.state import trainable_zeros
+from fl_lightning.uploads import ClientUpload, RoundUploads, ServerUpdate
 
 
-class SCAFFOLD(ServerStateMixin, SharedModelMethod):
+class SCAFFOLD(SharedModelMethod):
     """SCAFFOLD (Karimireddy et al., ICML 2020): control variates correct the clients' drift.
 
     Args:
         momentum_correction: K_eff from the momentum (official code) instead of the plain step count K.
     """
 
-    server_state = ("server_c",)
-
     def __init__(self, momentum_correction: bool = True, **kwargs):
         super().__init__(**kwargs)
         self.save_hyperparameters()
-        self.server_c: dict[str, torch.Tensor] | None = None
+        self.server.tensors("c", trainable_zeros(self.model))
         self._client_c: dict[str, torch.Tensor] = {}
-
-    def round_start(self, round_idx: int, clients: list[int]) -> None:
-        super().round_start(round_idx, clients)
-        self.server_c = state_or_zeros(self.server_c, self.model, self.device)
 
     def client_start(self, client: int, num_samples: int) -> None:
         super().client_start(client, num_samples)
-        self._client_c = state_or_zeros(self.client_states.get(client), self.model, self.device)
+        stored = self.client_state(client, "c.")
+        self._client_c = trainable_zeros(self.model) if stored is None else {
+            n: v.to(self.device) for n, v in stored.items()}
 
     def drift_correction(self) -> dict[str, torch.Tensor]:
         """c - c_i, added to every local gradient (FedSOL+SCAFFOLD perturbs along it instead)."""
-        return {n: self.server_c[n] - self._client_c[n] for n in self.server_c}
+        c = self.server["c"]
+        return {n: c[n] - self._client_c[n] for n in c}
 
     def after_backward(self) -> None:
         correction = self.drift_correction()
@@ -63,21 +61,18 @@ class SCAFFOLD(ServerStateMixin, SharedModelMethod):
 
     def client_end(self) -> ClientUpload:
         upload = super().client_end()
-        g, scale = self.global_params(), self.steps_scale()
+        g, scale, c = self.global_params(), self.steps_scale(), self.server["c"]
         for n, p in self.model.named_parameters():
-            if n in self.server_c:
+            if n in c:
                 # delta c_i = c_i+ - c_i = -c + (w_g - w_i) / (K_eff * lr)
-                upload.control_delta[n] = (g[n] - p.detach()) / scale - self.server_c[n]
+                upload.control_delta[n] = (g[n] - p.detach()) / scale - c[n]
+        upload.kept.update(self.prefixed("c.", {n: d + self._client_c[n] for n, d in upload.control_delta.items()}))
         return upload
 
-    def aggregate(self, uploads: RoundUploads) -> None:
-        avg = uploads.weighted_average(lambda u: u.weights)
+    def server_step(self, uploads: RoundUploads) -> ServerUpdate:
+        update = super().server_step(uploads)
         num_clients = self.trainer.datamodule.num_clients
-        for u in uploads:  # c_i on the process that trained client i
-            delta = u.control_delta
-            old = self.client_states.get(u.client)
-            new = {n: d.detach() + (0 if old is None else old[n].to(d.device)) for n, d in delta.items()}
-            self.client_states[u.client] = to_cpu(new)
-        for n, d in uploads.sum(lambda u: u.control_delta).items():  # c += sum_i delta c_i / N
-            self.server_c[n] += (d / num_clients).to(self.server_c[n].dtype)
-        self.load_global(self.server_step(avg))
+        c = self.server["c"]
+        sums = uploads.sum(lambda u: u.control_delta)  # c += sum_i delta c_i / N
+        update.server_state["c"] = {n: c[n] + (sums[n] / num_clients).to(c[n].dtype) if n in sums else c[n] for n in c}
+        return update

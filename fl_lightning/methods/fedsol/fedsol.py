@@ -38,6 +38,7 @@ and FedNova terms ("Combined", paper Table 4) are meant to arrive that way.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -49,7 +50,35 @@ from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import SharedModelMethod, abstract_base
 
 Scope = Literal["head", "body", "all"]
-STRATEGIES = ("A0", "A1", "A2", "A3", "A4", "A5", "A6")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One row of the perturbation ablation (module docstring): where the local loss and L_p are
+    evaluated, and what sets the perturbation.
+
+    Attributes:
+        perturbs: whether the step is perturbed at all (A0 and A5 are not).
+        direction: "prox" (eps_p, from g_p) or "combined" (eps_c, from g_l + beta * g_p).
+        local_at: the local loss at "w" or at the perturbed "w+eps".
+        prox_at: the beta * L_p term at "w", at "w+eps", or None (no such term).
+    """
+
+    perturbs: bool
+    direction: Literal["prox", "combined"]
+    local_at: Literal["w", "w+eps"]
+    prox_at: Literal["w", "w+eps"] | None
+
+
+STRATEGIES = {
+    "A0": Strategy(False, "prox", "w", None),  # FedAvg
+    "A1": Strategy(True, "prox", "w+eps", None),  # FedSOL
+    "A2": Strategy(True, "prox", "w", "w+eps"),
+    "A3": Strategy(True, "prox", "w+eps", "w+eps"),
+    "A4": Strategy(True, "combined", "w+eps", "w+eps"),  # SAM on the combined loss
+    "A5": Strategy(False, "prox", "w", "w"),  # proximal restriction
+    "A6": Strategy(True, "prox", "w+eps", "w"),
+}
 
 
 def kl_proximal_loss(logits: torch.Tensor, global_logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -262,38 +291,37 @@ class FedSOL(ProximalMethod):
     def minibatch_step(self, batch):
         x, y = batch
         h = self.hparams
-        s = h.strategy
+        strategy = STRATEGIES[h.strategy]
         self._step_cache = {}
         # w == w_g on a client's first step: the KL and L2 proximal gradients are exactly zero
         # there, so eps_p = 0 and every L_p term has zero gradient: the step is plain SGD.
         # Computing it numerically would give rounding noise of ~1e-8 that the fixed radius
         # would blow up to length rho. Only A4's perturbation (from g_l) is non-zero there.
         prox_is_zero = self.local_step == 0 and self.proximal_vanishes_at_global
-        if s == "A0" or (prox_is_zero and s != "A4"):
+        if (not strategy.perturbs and strategy.prox_at is None) or (prox_is_zero and strategy.direction == "prox"):
             return self._plain_step(x, y)
-
         named = self.trainable()
-        names = self.perturbed_names()
-        params = [named[n] for n in names]
-        head_only = all(n.startswith("head.") for n in names)
         features, logits = self.forward_at(x)
         prox = None if prox_is_zero else self.proximal_loss(x, features, logits, named)
-        if s == "A5":
+        if not strategy.perturbs:  # A5: L_local(w) + beta * L_p(w)
             loss = F.cross_entropy(logits, y) + h.beta * prox
             self.sgd_step(loss)
             self._log(loss, prox, len(y))
             return loss.detach()
+        return self._perturbed_step(strategy, x, y, named, features, logits, prox, prox_is_zero)
 
-        # the perturbation direction: g_p, or for A4 the combined gradient g_l + beta * g_p
-        if s == "A4":
-            direction_loss = F.cross_entropy(logits, y) + (0.0 if prox is None else h.beta * prox)
-        else:
-            direction_loss = prox
-        # the graph at w is needed again to reuse the body's features or for A2/A6's terms at w
-        keep_graph = head_only or s in ("A2", "A6")
+    def _perturbed_step(self, strategy: Strategy, x, y, named, features, logits, prox, prox_is_zero: bool):
+        h = self.hparams
+        names = self.perturbed_names()
+        params = [named[n] for n in names]
+        head_only = all(n.startswith("head.") for n in names)
+        # the graph at w is needed again to reuse the body's features, or for a term at w
+        keep_graph = head_only or strategy.local_at == "w" or strategy.prox_at == "w"
         # g_p on the tensors that are not perturbed, only for the logged cosine (not for training)
-        unperturbed = [n for n in named if n not in names] if h.cosine_scope == "all" and s != "A4" else []
-        direction = self._grads(direction_loss, params, retain_graph=keep_graph or bool(unperturbed))
+        logs_cosine = strategy.direction == "prox"
+        unperturbed = [n for n in named if n not in names] if h.cosine_scope == "all" and logs_cosine else []
+        direction = self._grads(self._direction_loss(strategy, logits, y, prox), params,
+                                retain_graph=keep_graph or bool(unperturbed))
         rest = self._grads(prox, [named[n] for n in unperturbed], retain_graph=keep_graph) if unperturbed else []
         global_params = self.global_params()
         eps = sol_perturbation(params, direction, [global_params[n] for n in names], h.rho, h.adaptive,
@@ -301,22 +329,29 @@ class FedSOL(ProximalMethod):
         perturbed = dict(named)
         perturbed.update({n: p + e for n, p, e in zip(names, params, eps, strict=True)})
         features_p, logits_p = self.forward_at(x, perturbed, features if head_only else None)
-
-        if s == "A1":
-            loss = F.cross_entropy(logits_p, y)
-        elif s == "A2":
-            prox_p = self.proximal_loss(x, features_p, logits_p, perturbed)
-            loss = F.cross_entropy(logits, y) + h.beta * prox_p
-        elif s in ("A3", "A4"):
-            prox_p = None if prox_is_zero and not any(bool(e.any()) for e in eps) else \
-                self.proximal_loss(x, features_p, logits_p, perturbed)
-            loss = F.cross_entropy(logits_p, y) + (0.0 if prox_p is None else h.beta * prox_p)
-        else:  # A6
-            loss = F.cross_entropy(logits_p, y) + h.beta * prox
+        # A4's first step has a perturbation from g_l alone and no L_p yet
+        no_prox_yet = prox_is_zero and not any(bool(e.any()) for e in eps)
+        loss = self._strategy_loss(strategy, x, y, logits, prox, features_p, logits_p, perturbed, no_prox_yet)
         self.sgd_step(loss)
         cos_params = params + [named[n] for n in unperturbed]
-        self._log(loss, prox, len(y), cos_params, direction + rest if s != "A4" else None, len(params))
+        self._log(loss, prox, len(y), cos_params, direction + rest if logs_cosine else None, len(params))
         return loss.detach()
+
+    def _direction_loss(self, strategy: Strategy, logits, y, prox):
+        """What the perturbation follows: L_p (eps_p), or L_local + beta * L_p (eps_c, A4)."""
+        if strategy.direction == "prox":
+            return prox
+        return F.cross_entropy(logits, y) + (0.0 if prox is None else self.hparams.beta * prox)
+
+    def _strategy_loss(self, strategy: Strategy, x, y, logits, prox, features_p, logits_p, perturbed,
+                       no_prox_yet: bool):
+        """The strategy's row: L_local at w or w + eps, plus beta * L_p at w or w + eps (or none)."""
+        loss = F.cross_entropy(logits_p if strategy.local_at == "w+eps" else logits, y)
+        if strategy.prox_at == "w":
+            return loss + self.hparams.beta * prox
+        if strategy.prox_at == "w+eps" and not no_prox_yet:
+            return loss + self.hparams.beta * self.proximal_loss(x, features_p, logits_p, perturbed)
+        return loss
 
     @torch.no_grad()
     def _log(self, loss, prox, batch_size: int, params=None, prox_grads=None, num_perturbed: int = 0) -> None:

@@ -10,7 +10,7 @@ they share:
 - `FixedClassifier`: logits = f @ V^T, or cosines normalise(f) @ V^T. V is a parameter with
   requires_grad False, so it is in the state dict (checkpoints, every client) but never in the
   optimizer (base `local_parameters()` skips it) and receives no weight decay.
-- `FrozenClassifierMethod`: never uploads the frozen tensors and restores them after aggregation,
+- `FrozenClassifierMethod`: never uploads the frozen tensors (the server step keeps them as they were),
   so they stay bit-identical (an average of identical float tensors need not be); optional
   per-round analyses of the paper (feature-classifier alignment and local-vs-global feature
   distance/angle, on each client's observed and unobserved classes).
@@ -31,7 +31,7 @@ from torch import nn
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import LossContext, SharedModelMethod, abstract_base
 from fl_lightning.models import FLModel, build_model
-from fl_lightning.uploads import ClientUpload, RoundUploads
+from fl_lightning.uploads import ClientUpload
 
 
 def _orthonormal_columns(d: int, num_classes: int, seed: int) -> torch.Tensor:
@@ -145,16 +145,10 @@ class FrozenClassifierMethod(SharedModelMethod):
             upload.stats.update(self.alignment_stats())
         return upload
 
-    def aggregate(self, uploads: RoundUploads) -> None:
-        avg = uploads.weighted_average(lambda u: u.weights)
-        for name in self.frozen_names():
-            avg[name] = self.global_weights[name]
-        self.load_global(self.server_step(avg))
-
     # ---- objective ----------------------------------------------------------------------------
     def loss_context(self) -> LossContext:
         """Also the client's class counts (FedGELA's and FedETF's locally adapted losses)."""
-        return LossContext(teacher=self._global_model if self.needs_global_model else None,
+        return LossContext(teacher=self.global_model if self.needs_global_model else None,
                            class_counts=self.client_counts)
 
     # ---- analyses -----------------------------------------------------------------------------

@@ -92,7 +92,8 @@ class SphereFed(FrozenClassifierMethod):
         self.recalibrate(dm)
         # The per-round validation saw the fixed classifier; report the recalibrated model too.
         # (The last per-round checkpoint was written before this step.)
-        acc, loss = self.evaluate(dm.test_dataloader())
+        result = self.evaluate(dm.test_dataloader())
+        acc, loss = result.accuracy, result.loss
         rank_zero_info(f"SphereFed: recalibrated global test acc {acc:.4f}, loss {loss:.4f}")
         if self.trainer.global_rank == 0:
             for logger in self.trainer.loggers:

@@ -3,28 +3,29 @@
 There is no global model: client k owns its own architecture (`models/hetero.py`, client k gets
 model k mod |group|) and keeps it across rounds. How that fits the contract of `base.py`:
 
-- The N client models live in a client-state store (`client_model_states`, client_store.py): a
-  cache of at most `--federation.client_cache_size` clients' weights in memory, the rest in
-  per-client files next to the checkpoints. A client's model exists as a module only while it is
-  used: `client_start` loads the client's weights into the one module kept per architecture
+- The N client models live in the client-state store with every other per-client state
+  (`client_states[k]` under "model.", client_store.py): a cache of at most
+  `--federation.client_cache_size` clients in memory, the rest in checked per-client files next
+  to the checkpoints. A client's model exists as a module only while it is used: `client_start`
+  loads the client's weights into the one module kept per architecture
   (`client_architecture(client)`), on the device, and installs it as `self.model` (so `loss`,
-  `sgd_step`, `predict_logits` work unchanged); `client_end` writes the trained weights back to
-  the store. Evaluation and personalised fine-tuning load them the same way. So the memory of
-  client models is bounded by the cache, not by N. Between clients `self.model` is None: there
-  is no global model.
+  `sgd_step`, `predict_logits` work unchanged); `client_end` returns the trained weights as the
+  state the client keeps (`upload.kept`), which the round callback stores. Evaluation and
+  personalised fine-tuning load them the same way. So the memory of client models is bounded by
+  the cache, not by N. Between clients `self.model` is None: there is no global model.
 - The local optimizer is created once (Lightning's `configure_optimizers`) over a one-element
   anchor tensor; `client_start` rebinds its parameter group to the client's parameters and clears
   its state (fresh momentum for every client, every round), `client_end` rebinds it to the anchor
   so checkpoints hold a client-independent optimizer.
-- The round checkpoint names the store's files (`fl_client_models`); it writes only the models
-  that changed since the last one (the clients that trained), and resume restores them all. The
-  server state of each method (prototypes, heads, shared models) is registered on the module and
-  rides in `state_dict`; what the server gives every client (LG-FedAvg's head) is applied when a
-  client's model is loaded (`on_client_model_loaded`), not written into every client's file.
+- The round checkpoint names the store's files; it writes only the states that changed since
+  the last one (the clients that trained), and resume restores them all. The server state of each
+  method (prototypes, heads, shared models) is in `self.server`; what the server gives every
+  client (LG-FedAvg's head) is applied when a client's model is loaded (`on_client_model_loaded`),
+  not written into every client's file.
 - Evaluation is personalised, as in the papers: after every round each client's own model is
   evaluated on its own test split, and accuracy = total correct / total test samples over all
-  clients (`clients/test_acc`, with the best round so far in `clients/best_test_acc`). The
-  global test set is not used (`local_model_stats` has nothing to add), and personalised
+  clients (`clients/test_acc`, the run's accuracy: `accuracy_key`). The global test set is not
+  used (`local_model_stats` has nothing to add), and personalised
   fine-tuning starts from the client's own model (`finetune_start`).
 
 The federation carries only what each subclass's `upload` returns.
@@ -36,17 +37,14 @@ import contextlib
 import copy
 import os
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from lightning.pytorch.overrides.distributed import _sync_module_states
-from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 
-from fl_lightning.client_store import ClientStateStore
+from fl_lightning import compat
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
+from fl_lightning.evaluation import Evaluation, eval_mode
 from fl_lightning.methods.base import FederatedMethod, abstract_base
 from fl_lightning.models.base import FLModel
 from fl_lightning.models.hetero import build_group_model, client_architecture, group_members
@@ -93,16 +91,11 @@ class HeteroMethod(FederatedMethod):
         self.save_hyperparameters()
         self.model: FLModel | None = None  # the installed client's model, only while it is used
         self._installed_client: int | None = None
-        # every client's model weights: a bounded cache over files next to the checkpoints
-        self.client_model_states = ClientStateStore()
         self._num_clients = 0  # 0: the client models are not built yet
         self._expected_clients: int | None = None  # the data's number of clients (setup)
         # one module per architecture, into which the client in use is loaded (never two at once)
         self._architecture_modules: dict[str, FLModel] = {}
         self._anchor = [torch.zeros(1, requires_grad=True)]
-        self._trained: list[int] = []  # this round's clients on this process
-        self.register_buffer("best_acc", torch.tensor(-1.0))
-        self.register_buffer("best_round", torch.tensor(-1))
 
     # ---- client models ------------------------------------------------------------------------
     @property
@@ -137,9 +130,11 @@ class HeteroMethod(FederatedMethod):
                 model = build_group_model(architecture, h.data_spec, h.feature_dim)
                 if store:
                     if parallel:
-                        _sync_module_states(model)
-                    self.client_model_states[client] = model.state_dict()
+                        compat.sync_module_states(model)
+                    self.client_states[client] = self.prefixed("model.", model.state_dict())
                 self._architecture_modules.setdefault(architecture, model)
+            if store:
+                self.client_states.mark_synced()  # every process drew the same initial models
             self._num_clients = num_clients
             self.on_client_models_built()
 
@@ -177,8 +172,8 @@ class HeteroMethod(FederatedMethod):
             raise FLUserError(
                 f"the method holds {self._num_clients} client models but the data has {dm.num_clients} clients"
             )
-        # Built once the store knows where its files go (configure_client_stores), or when first
-        # needed, or replaced by a checkpoint's.
+        # Built at fit start (once the store knows where its files go), or when first needed, or
+        # replaced by a checkpoint's.
         self._expected_clients = dm.num_clients
 
     def load_client_model(self, client: int) -> FLModel:
@@ -186,7 +181,7 @@ class HeteroMethod(FederatedMethod):
         the device (that module is shared by all clients of the architecture: one at a time)."""
         self._ensure_client_models()
         model = self._architecture_modules[self.client_architecture(client)].to(self.device)
-        model.load_state_dict(self.client_model_states[client])
+        model.load_state_dict(self.client_state(client, "model."))
         self.on_client_model_loaded(client, model)
         return model
 
@@ -194,7 +189,7 @@ class HeteroMethod(FederatedMethod):
         """A new module holding client k's model (not shared with anything)."""
         self._ensure_client_models()
         model = copy.deepcopy(self._architecture_modules[self.client_architecture(client)]).to(device or self.device)
-        model.load_state_dict(self.client_model_states[client])
+        model.load_state_dict(self.client_state(client, "model."))
         self.on_client_model_loaded(client, model)
         return model
 
@@ -203,24 +198,24 @@ class HeteroMethod(FederatedMethod):
         self._installed_client = client
         return self.model
 
-    def _uninstall(self, keep: bool) -> None:
-        """`keep`: the client's model changed (it trained), so its weights go back to the store."""
-        if keep:
-            self.client_model_states[self._installed_client] = self.model.state_dict()
+    def _uninstall(self) -> None:
         for p in self.model.parameters():
             p.grad = None
         self.model = None
         self._installed_client = None
 
     @contextlib.contextmanager
-    def client_model(self, client: int, keep: bool = False):
-        """`self.model` is client's own model (on the device) inside the block; with `keep` its
-        weights are written back to the store at the end."""
+    def client_model(self, client: int):
+        """`self.model` is client's own model (on the device) inside the block."""
         self._install(client)
         try:
             yield self.model
         finally:
-            self._uninstall(keep)
+            self._uninstall()
+
+    def analysis_models(self, max_clients: int) -> list[tuple[str, nn.Module]]:
+        """Clients 0 .. max_clients-1's own models (there is no global model)."""
+        return [(f"client_{c}/", self.client_models[c]) for c in range(min(max_clients, self.num_clients))]
 
     # ---- optimizer ----------------------------------------------------------------------------
     def local_parameters(self) -> Iterable[nn.Parameter]:
@@ -239,7 +234,6 @@ class HeteroMethod(FederatedMethod):
 
     # ---- the round ----------------------------------------------------------------------------
     def client_start(self, client: int, num_samples: int) -> None:
-        self._trained.append(client)
         self.current_client, self.current_num_samples = client, num_samples
         self.seed_client(client)
         self._install(client)
@@ -280,18 +274,22 @@ class HeteroMethod(FederatedMethod):
     def client_end(self) -> ClientUpload:
         fields = self.upload()
         stats = self.client_stats()
-        self.client_done()
-        self._uninstall(keep=True)
+        # copies: the architecture's module is loaded with the next client's weights in place
+        model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        kept = {**self.prefixed("model.", model), **self.kept_extras()}
+        self._uninstall()
         self._bind_optimizer()  # back to the anchor: checkpoints hold no client's parameters
         client, n = self.current_client, self.current_num_samples
         self.current_client = None
-        return ClientUpload(client, n, stats=stats, **fields)
+        return ClientUpload(client, n, stats=stats, kept=kept, **fields)
 
     def client_stats(self) -> dict[str, float]:
         return {}
 
-    def client_done(self) -> None:
-        """Hook: save the installed client's persistent extras (e.g. FedKD's W_h) before it leaves."""
+    def kept_extras(self) -> dict[str, torch.Tensor]:
+        """Hook: the installed client's persistent extras besides its model (e.g. FedKD's W_h,
+        under a prefix of their own), kept with it."""
+        return {}
 
     def client_train_loader(self, client: int):
         """The client's own training samples, without augmentation (prototypes)."""
@@ -304,117 +302,67 @@ class HeteroMethod(FederatedMethod):
     def test_step(self, batch, batch_idx: int):
         return None
 
+    accuracy_key = "clients/test_acc"
+
     @torch.no_grad()
     def evaluate_clients(self) -> tuple[float, float, list[float]]:
         """Each client's own model on its own test split: (total correct / total, mean CE, per-client acc)."""
-        dm = self.trainer.datamodule
-        correct, total, loss_sum, per_client = 0, 0, 0.0, []
+        dm, num_classes = self.trainer.datamodule, self.hparams.data_spec.num_classes
+        overall = Evaluation(num_classes).to(self.device)
+        per_client = []
         for client in range(self.num_clients):
-            with self.client_model(client) as model:
-                model.eval()
-                c_correct, c_total = 0, 0
+            mine = Evaluation(num_classes).to(self.device)
+            with self.client_model(client) as model, eval_mode(model):
                 for x, y in dm.client_loader(client, "test"):
                     x, y = x.to(self.device), y.to(self.device)
-                    logits = self.predict_logits(x).float()
-                    finite = torch.where(torch.isfinite(logits), logits, torch.full_like(logits, -1e30))
-                    loss_sum += float(F.cross_entropy(finite, y, reduction="sum"))
-                    c_correct += int((logits.argmax(1) == y).sum())
-                    c_total += len(y)
-                model.train()
-            correct, total = correct + c_correct, total + c_total
-            per_client.append(c_correct / max(c_total, 1))
-        return correct / max(total, 1), loss_sum / max(total, 1), per_client
+                    logits = self.predict_logits(x)
+                    overall.update(logits, y)
+                    mine.update(logits, y)
+            result = mine.result()
+            per_client.append(result.correct / max(result.samples, 1))
+        result = overall.result()
+        return result.correct / max(result.samples, 1), result.loss, per_client
 
-    def _log_client_eval(self, prefix: str) -> None:
+    def _log_client_eval(self) -> None:
         acc, loss, per_client = self.evaluate_clients()
-        metrics = {
-            f"{prefix}/test_acc": acc,
-            f"{prefix}/test_loss": loss,
-            f"{prefix}/test_acc_client_std": float(torch.tensor(per_client).std(unbiased=False)),
-        }
-        if prefix == "clients" and self.trainer.state.fn == "fit":
-            if acc > float(self.best_acc):
-                self.best_acc.fill_(acc)
-                self.best_round.fill_(self.current_epoch)
-            metrics["clients/best_test_acc"] = float(self.best_acc)
-            metrics["clients/best_round"] = float(self.best_round) + 1  # 1-based, as printed
-            rank_zero_info(
-                f"round {self.current_epoch + 1}/{self.trainer.max_epochs}: client test acc {acc:.4f} "
-                f"(best {float(self.best_acc):.4f} at round {int(self.best_round) + 1}), loss {loss:.4f}"
-            )
-        self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=1)
+        self.log_dict({"clients/test_acc": acc, "clients/test_loss": loss,
+                       "clients/test_acc_client_std": float(torch.tensor(per_client).std(unbiased=False))},
+                      on_step=False, on_epoch=True, batch_size=1)
 
     def on_validation_epoch_end(self) -> None:
         if not self.trainer.sanity_checking:
-            self._log_client_eval("clients")
+            self._log_client_eval()
 
     def on_test_epoch_end(self) -> None:
-        self._log_client_eval("test/clients")
+        self._log_client_eval()
 
     def finetune_start(self, client: int) -> FLModel:
         """The client's own model, on the device (personalised evaluation copies it)."""
         return self.client_model_copy(client)
 
-    # ---- clients in parallel -------------------------------------------------------------------
-    def round_start(self, round_idx: int, clients: list[int]) -> None:
-        super().round_start(round_idx, clients)
-        self._trained = []
-
-    def sync_client_states(self, collective) -> None:
-        """Every process's store holds every client's model (each evaluates all of them after a
-        round): the models this process trained go into the others' stores, after aggregation."""
-        super().sync_client_states(collective)
-        if not collective.distributed:
-            return
-        mine = {c: self.client_model_states[c] for c in self._trained}
-        for rank, part in enumerate(collective.gather(mine)):
-            if rank != collective.rank:
-                for client, state in part.items():
-                    self.client_model_states[client] = state
-
     # ---- checkpoints --------------------------------------------------------------------------
-    def configure_client_stores(self, directory, cache_size: int) -> None:
-        super().configure_client_stores(directory, cache_size)
-        if directory is not None:
-            directory = Path(directory) / "models"
-            if self._trainer is not None and clients_in_parallel(self.trainer) and self.trainer.global_rank:
-                # with clients in parallel every process evicts to its own folder, which rank 0's
-                # pruning of the checkpoint's folder does not touch
-                directory = directory / f"rank{self.trainer.global_rank}"
-                self.client_model_states.rank = self.trainer.global_rank
-        self.client_model_states.configure(directory, cache_size)
-        if not self._num_clients and self._expected_clients is not None:
-            self.build_client_models(self._expected_clients)  # straight into the bounded store
+    def on_fit_start(self) -> None:
+        # after a checkpoint was restored (which provides the models) and the store was told where
+        # its files go: a fresh run builds its clients' models now, straight into the bounded store
+        self._ensure_client_models()
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         super().on_save_checkpoint(checkpoint)
-        if self._trainer is not None and clients_in_parallel(self.trainer) and self.trainer.global_rank != 0:
-            # rank 0 writes the checkpoint and, holding every client model, their files; the
-            # others prune the files their own evictions wrote (in their own folder)
-            self.client_model_states.checkpoint_state()
-            return
-        # the store writes only the models that changed since the last checkpoint (the clients
-        # that trained) and names all files
-        checkpoint["fl_client_models"] = {"num_clients": self._num_clients,
-                                          **self.client_model_states.checkpoint_state()}
+        checkpoint["fl_num_clients"] = self._num_clients
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
-        super().on_load_checkpoint(checkpoint)
-        saved = checkpoint.get("fl_client_models")
-        if saved is None:
-            return
-        if isinstance(saved, list):  # a checkpoint from before the client-state store
-            saved = {"num_clients": len(saved), "states": dict(enumerate(saved))}
-        saved = dict(saved)
-        num_clients = saved.pop("num_clients")
+        num_clients = checkpoint.get("fl_num_clients")
+        if num_clients is None:
+            raise FLUserError("the checkpoint holds no client models (fl_num_clients); it is not a checkpoint "
+                              "of this model-heterogeneous method")
         expected = self._num_clients or self._expected_clients or num_clients
         if num_clients != expected:
             raise FLUserError(f"checkpoint holds {num_clients} client models, the run has {expected}")
         if not self._num_clients:
             # the architectures' modules (and the same random draws as a fresh run's models)
             self.build_client_models(num_clients, store=False)
-        self.client_model_states.load_checkpoint_state(saved)
-        missing = [c for c in range(num_clients) if c not in self.client_model_states]
+        super().on_load_checkpoint(checkpoint)
+        missing = [c for c in range(num_clients) if c not in self.client_states]
         if missing:
             raise FLUserError(f"the checkpoint names no model for client {missing[0]}")
 

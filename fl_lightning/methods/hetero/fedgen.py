@@ -37,6 +37,7 @@ Where this deliberately departs from the authors' code:
 
 from __future__ import annotations
 
+import copy
 from typing import Literal
 
 import torch
@@ -46,7 +47,7 @@ from torch import nn
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import LossContext
 from fl_lightning.methods.hetero.lgfedavg_fedgh import HEAD_PREFIX, LGFedAvg
-from fl_lightning.uploads import ClientUpload, RoundUploads
+from fl_lightning.uploads import ClientUpload, RoundUploads, ServerUpdate
 
 
 class FeatureGenerator(nn.Module):
@@ -122,26 +123,30 @@ class FedGen(LGFedAvg):
             raise FLUserError("gen_weight and diversity_weight must be >= 0")
         self.save_hyperparameters()
         c = self.hparams.data_spec.num_classes
-        self.generator = FeatureGenerator(noise_dim, c, hidden_dim, self.hparams.feature_dim)
-        self.register_buffer("generator_trained", torch.tensor(False))
+        self.server.module("generator", FeatureGenerator(noise_dim, c, hidden_dim, self.hparams.feature_dim))
+        self.server.tensor("generator_trained", torch.tensor(False))
         # Label counts of every client the server has heard from (rows of the others stay zero);
         # sized once the number of clients is known, before a checkpoint is loaded into it.
-        self.register_buffer("client_label_counts", torch.zeros(0, c))
+        self.server.tensor("client_label_counts", torch.zeros(0, c))
+
+    @property
+    def generator(self) -> FeatureGenerator:
+        return self.server["generator"]
 
     def on_client_models_built(self) -> None:
         super().on_client_models_built()
         num_clients, c = self._num_clients, self.hparams.data_spec.num_classes
-        self.client_label_counts = torch.zeros(num_clients, c, device=self.client_label_counts.device)
+        self.server.assign({"client_label_counts": torch.zeros(num_clients, c)})
 
     # ---- client -------------------------------------------------------------------------------
     def label_distribution(self) -> torch.Tensor:
-        return self.client_label_counts.sum(0)
+        return self.server["client_label_counts"].sum(0)
 
     def loss(self, model, batch, context: LossContext) -> torch.Tensor:
         x, y = batch
         loss = F.cross_entropy(model(x), y)
         # the server's generator regularises federated local training only
-        if not context.finetuning and bool(self.generator_trained) and self.hparams.gen_weight > 0:
+        if not context.finetuning and bool(self.server["generator_trained"]) and self.hparams.gen_weight > 0:
             # Drawn from the global RNG, which client_start seeds per (seed, round, client).
             labels = torch.multinomial(self.label_distribution(), len(y), replacement=True)
             noise = torch.rand(len(y), self.hparams.noise_dim, device=y.device)
@@ -163,7 +168,8 @@ class FedGen(LGFedAvg):
         n = torch.tensor([float(u.num_samples) for u in uploads], device=counts.device)
         return (n / n.sum())[:, None].expand_as(counts)
 
-    def train_generator(self, uploads: list[ClientUpload]) -> float:
+    def train_generator(self, uploads: list[ClientUpload]) -> tuple[dict, float]:
+        """Trains a copy of the generator on the uploads' heads: (its new state_dict, the last loss)."""
         h, dev = self.hparams, self.device
         counts = torch.stack([u.label_counts.to(dev) for u in uploads])
         weights = self.teacher_weights(uploads, counts)
@@ -173,29 +179,33 @@ class FedGen(LGFedAvg):
         ]
         label_dist = counts.sum(0)
         rng = torch.Generator(device=dev).manual_seed(self.server_seed())
-        opt = torch.optim.Adam(self.generator.parameters(), lr=h.generator_lr)
-        self.generator.train()
+        generator = copy.deepcopy(self.generator)
+        opt = torch.optim.Adam(generator.parameters(), lr=h.generator_lr)
+        generator.train()
         with torch.enable_grad():
             for _ in range(h.server_steps):
                 labels = torch.multinomial(label_dist, h.server_batch_size, replacement=True, generator=rng)
                 noise = torch.rand(h.server_batch_size, h.noise_dim, device=dev, generator=rng)
-                feats = self.generator(labels, noise)
+                feats = generator(labels, noise)
                 loss = F.cross_entropy(ensemble_logits(feats, labels, heads, weights), labels)
                 if h.diversity_weight > 0:
                     loss = loss + h.diversity_weight * diversity_loss(noise, feats)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-        self.generator.eval()
-        self.generator_trained.fill_(True)
-        return float(loss.detach())
+        generator.eval()
+        return generator.state_dict(), float(loss.detach())
 
-    def aggregate(self, uploads: RoundUploads) -> None:
+    def server_step(self, uploads: RoundUploads) -> ServerUpdate:
         # G learns from every head the round's clients trained (gathered from every process),
         # before they are averaged away; every process trains the same G from the same draws.
         everyone = uploads.gathered()
+        counts = self.server["client_label_counts"].clone()
         for u in everyone:
-            self.client_label_counts[u.client] = u.label_counts.to(self.client_label_counts)
-        loss = self.train_generator(everyone)
-        self.log("server/generator_loss", loss, on_step=False, on_epoch=True, batch_size=1)
-        super().aggregate(uploads)
+            counts[u.client] = u.label_counts.to(counts)
+        generator, loss = self.train_generator(everyone)
+        update = super().server_step(uploads)
+        update.server_state.update(generator=generator, generator_trained=torch.tensor(True),
+                                   client_label_counts=counts)
+        update.metrics["server/generator_loss"] = loss
+        return update

@@ -33,7 +33,7 @@ from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import LossContext, abstract_base
 from fl_lightning.methods.hetero.base import HeteroMethod
 from fl_lightning.models.hetero import build_group_model
-from fl_lightning.uploads import RoundUploads
+from fl_lightning.uploads import RoundUploads, ServerUpdate
 
 
 def kl_to(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
@@ -52,11 +52,11 @@ class MutualLearningMethod(HeteroMethod):
     def __init__(self, shared_model: str = "cnn4", **kwargs):
         super().__init__(**kwargs)
         h = self.hparams
-        self.global_shared = build_group_model(shared_model, h.data_spec, h.feature_dim)
-        self.shared = copy.deepcopy(self.global_shared)  # trained by the current client
+        self.server.module("global_shared", build_group_model(shared_model, h.data_spec, h.feature_dim))
+        self.shared = copy.deepcopy(self.server["global_shared"])  # trained by the current client
 
     def receive(self, client: int) -> None:
-        self.shared.load_state_dict(self.global_shared.state_dict())
+        self.shared.load_state_dict(self.server["global_shared"].state_dict())
         self.shared.train()
 
     def extra_local_parameters(self):
@@ -65,9 +65,9 @@ class MutualLearningMethod(HeteroMethod):
     def upload(self) -> dict:
         return {"weights": {f"shared.{k}": v.detach().clone() for k, v in self.shared.state_dict().items()}}
 
-    def aggregate(self, uploads: RoundUploads) -> None:
+    def server_step(self, uploads: RoundUploads) -> ServerUpdate:
         avg = uploads.weighted_average(lambda u: u.weights)
-        self.global_shared.load_state_dict({k.removeprefix("shared."): v for k, v in avg.items()})
+        return ServerUpdate(server_state={"global_shared": {k.removeprefix("shared."): v for k, v in avg.items()}})
 
 
 class FML(MutualLearningMethod):
@@ -164,14 +164,14 @@ class FedKD(MutualLearningMethod):
 
     def receive(self, client: int) -> None:
         super().receive(client)
-        state = self.client_states.get(client)
+        state = self.client_state(client, "W_h.")
         if state is None:
             self.W_h.reset_parameters()
         else:
             self.W_h.load_state_dict(state)
 
-    def client_done(self) -> None:
-        self.keep_on_client(self.W_h.state_dict())  # client_states[k] once the upload is accepted
+    def kept_extras(self) -> dict[str, torch.Tensor]:
+        return self.prefixed("W_h.", {k: v.clone() for k, v in self.W_h.state_dict().items()})
 
     def extra_local_parameters(self):
         return list(self.shared.parameters()) + list(self.W_h.parameters())
@@ -192,9 +192,9 @@ class FedKD(MutualLearningMethod):
     def upload(self) -> dict:
         return {"weights": compress_state(self.shared.state_dict(), self.energy(), "shared.")}
 
-    def aggregate(self, uploads: RoundUploads) -> None:
-        like = self.global_shared.state_dict()
+    def server_step(self, uploads: RoundUploads) -> ServerUpdate:
+        like = self.server["global_shared"].state_dict()
         avg = uploads.weighted_average(lambda u: decompress_state(u.weights, like, "shared."))
         # the server sends the average back compressed too; clients receive the reconstruction
         sent = compress_state(avg, self.energy(), "")
-        self.global_shared.load_state_dict(decompress_state(sent, like, ""))
+        return ServerUpdate(server_state={"global_shared": decompress_state(sent, like, "")})

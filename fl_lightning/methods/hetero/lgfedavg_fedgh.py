@@ -12,6 +12,8 @@ train their whole model on CE.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,7 +22,7 @@ from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import abstract_base
 from fl_lightning.methods.hetero.base import HeteroMethod
 from fl_lightning.methods.hetero.prototypes import class_prototypes, prototype_upload, train_on_pairs, uploaded_pairs
-from fl_lightning.uploads import RoundUploads
+from fl_lightning.uploads import RoundUploads, ServerUpdate
 
 HEAD_PREFIX = "head."
 
@@ -31,14 +33,14 @@ class SharedHeadMethod(HeteroMethod):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.global_head = nn.Linear(self.hparams.feature_dim, self.hparams.data_spec.num_classes)
+        self.server.module("global_head", nn.Linear(self.hparams.feature_dim, self.hparams.data_spec.num_classes))
 
     @torch.no_grad()
     def on_client_model_loaded(self, client: int, model) -> None:
         """Every client holds the global head (from the start: one shared initial head); it is
         applied whenever a client's model is loaded, instead of written into every client's file
         after every round."""
-        model.head.load_state_dict(self.global_head.state_dict())
+        model.head.load_state_dict(self.server["global_head"].state_dict())
 
 
 class LGFedAvg(SharedHeadMethod):
@@ -51,9 +53,9 @@ class LGFedAvg(SharedHeadMethod):
     def upload(self) -> dict:
         return {"weights": {f"{HEAD_PREFIX}{k}": v.detach().clone() for k, v in self.model.head.state_dict().items()}}
 
-    def aggregate(self, uploads: RoundUploads) -> None:
+    def server_step(self, uploads: RoundUploads) -> ServerUpdate:
         avg = uploads.weighted_average(lambda u: {k: v for k, v in u.weights.items() if k.startswith(HEAD_PREFIX)})
-        self.global_head.load_state_dict({k.removeprefix(HEAD_PREFIX): v for k, v in avg.items()})
+        return ServerUpdate(server_state={"global_head": {k.removeprefix(HEAD_PREFIX): v for k, v in avg.items()}})
 
 
 class FedGH(SharedHeadMethod):
@@ -78,11 +80,12 @@ class FedGH(SharedHeadMethod):
             class_prototypes(self.model, self.client_train_loader(self.current_client), self.device)
         )
 
-    def aggregate(self, uploads: RoundUploads) -> None:
+    def server_step(self, uploads: RoundUploads) -> ServerUpdate:
         h = self.hparams
         protos, labels = uploaded_pairs(uploads.gathered(), self.device)  # trains on pairs: not a sum
+        head = copy.deepcopy(self.server["global_head"])  # trained here, applied by the round callback
         loss = train_on_pairs(
-            self.global_head,
+            head,
             protos,
             labels,
             lambda head, p, y: F.cross_entropy(head(p), y),
@@ -91,4 +94,4 @@ class FedGH(SharedHeadMethod):
             h.server_batch_size,
             self.server_seed(),
         )
-        self.log("server/loss", loss, on_step=False, on_epoch=True, batch_size=1)
+        return ServerUpdate(server_state={"global_head": head.state_dict()}, metrics={"server/loss": loss})

@@ -21,6 +21,7 @@ cosine between client prototypes and their class's global prototype) and `protos
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Literal
 
@@ -31,7 +32,7 @@ from torch import nn
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import LossContext, abstract_base
 from fl_lightning.methods.hetero.base import HeteroMethod
-from fl_lightning.uploads import ClientUpload, RoundUploads
+from fl_lightning.uploads import ClientUpload, RoundUploads, ServerUpdate
 
 
 # ---- shared pieces ------------------------------------------------------------------------------
@@ -168,7 +169,7 @@ def separation(
 # ---- the methods ---------------------------------------------------------------------------------
 @abstract_base
 class PrototypeMethod(HeteroMethod):
-    """Clients upload class prototypes; the server holds global prototypes as buffers.
+    """Clients upload class prototypes; the server holds global prototypes (server state).
 
     Args:
         lam: weight of the local prototype regulariser.
@@ -183,8 +184,16 @@ class PrototypeMethod(HeteroMethod):
             raise FLUserError(f"lam must be >= 0, got {lam}")
         self.save_hyperparameters()
         c, k = self.hparams.data_spec.num_classes, self.hparams.feature_dim
-        self.register_buffer("global_protos", torch.zeros(c, k))
-        self.register_buffer("has_proto", torch.zeros(c, dtype=torch.bool))
+        self.server.tensor("global_protos", torch.zeros(c, k))
+        self.server.tensor("has_proto", torch.zeros(c, dtype=torch.bool))
+
+    @property
+    def global_protos(self) -> torch.Tensor:
+        return self.server["global_protos"]
+
+    @property
+    def has_proto(self) -> torch.Tensor:
+        return self.server["has_proto"]
 
     # client
     def proto_weight(self) -> float:
@@ -208,31 +217,39 @@ class PrototypeMethod(HeteroMethod):
         )
 
     # server
-    def server_prototypes(
-        self, protos: torch.Tensor, labels: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def server_prototypes(self, protos: torch.Tensor, labels: torch.Tensor) -> ServerUpdate:
+        """The new global prototypes ("global_protos", "has_proto") from the round's (client
+        prototype, class) pairs, and whatever else the rule changes and reports."""
         raise NotImplementedError
 
-    def aggregate(self, uploads: RoundUploads) -> None:
+    def server_step(self, uploads: RoundUploads) -> ServerUpdate:
         protos, labels = uploaded_pairs(uploads.gathered(), self.device)  # pooled per class: not a sum
-        new, seen = self.server_prototypes(protos, labels)
-        self.global_protos.copy_(new.detach())
-        self.has_proto.copy_(seen)
-        self.log_dict(
-            separation(protos, labels, self.global_protos, self.has_proto),
-            on_step=False,
-            on_epoch=True,
-            batch_size=1,
-        )
+        update = self.server_prototypes(protos, labels)
+        new, seen = update.server_state["global_protos"], update.server_state["has_proto"]
+        update.metrics.update(separation(protos, labels, new, seen))
+        return update
+
+    def trained_prototypes(self, protos: torch.Tensor, labels: torch.Tensor,
+                           loss_fn) -> tuple[torch.Tensor, dict, float]:
+        """Trains a copy of the server's trainable prototypes on the pairs with `loss_fn(module,
+        prototypes, labels)`: (its output, its new state_dict, the last batch's loss)."""
+        h = self.hparams
+        module = copy.deepcopy(self.server["prototypes"])
+        loss = train_on_pairs(module, protos, labels, loss_fn, h.server_epochs, h.server_lr, h.server_batch_size,
+                              self.server_seed())
+        with torch.no_grad():
+            out = module()
+        return out, module.state_dict(), loss
 
     # evaluation
     def predict_logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.hparams.predict == "head" or not bool(self.has_proto.any()):
             return self.model(x)
         feats = self.model.features(x).float()
-        # nearest global prototype by squared Euclidean distance; classes without one never win
+        # nearest global prototype by squared Euclidean distance; classes without one never win (a
+        # large finite score, not -inf: the evaluation's loss stays finite, see evaluation.py)
         dist = torch.cdist(feats, self.global_protos.float()) ** 2
-        return (-dist).masked_fill(~self.has_proto, float("-inf"))
+        return (-dist).masked_fill(~self.has_proto, -1e30)
 
 
 def _mse_to_prototypes(
@@ -256,7 +273,8 @@ class FedProto(PrototypeMethod):
         return _mse_to_prototypes(feats, y, self.global_protos, self.has_proto)
 
     def server_prototypes(self, protos, labels):
-        return mean_prototypes(protos, labels, self.hparams.data_spec.num_classes)
+        new, seen = mean_prototypes(protos, labels, self.hparams.data_spec.num_classes)
+        return ServerUpdate(server_state={"global_protos": new, "has_proto": seen})
 
 
 class FedTGP(PrototypeMethod):
@@ -284,7 +302,8 @@ class FedTGP(PrototypeMethod):
         if server_epochs < 1 or server_batch_size < 1 or server_lr <= 0:
             raise FLUserError("server_epochs and server_batch_size must be >= 1 and server_lr > 0")
         self.save_hyperparameters()
-        self.prototypes = TrainablePrototypes(self.hparams.data_spec.num_classes, self.hparams.feature_dim)
+        self.server.module("prototypes", TrainablePrototypes(self.hparams.data_spec.num_classes,
+                                                             self.hparams.feature_dim))
 
     def proto_regularizer(self, feats, y):
         return _mse_to_prototypes(feats, y, self.global_protos, self.has_proto)
@@ -299,24 +318,12 @@ class FedTGP(PrototypeMethod):
         return min(float(gap.max()), self.hparams.margin_threshold)
 
     def server_prototypes(self, protos, labels):
-        h = self.hparams
         margin = self.adaptive_margin(protos, labels)
-        loss = train_on_pairs(
-            self.prototypes,
-            protos,
-            labels,
-            lambda m, p, y: margin_contrastive_loss(p, y, m(), margin),
-            h.server_epochs,
-            h.server_lr,
-            h.server_batch_size,
-            self.server_seed(),
-        )
-        self.log_dict(
-            {"server/loss": loss, "server/margin": margin}, on_step=False, on_epoch=True, batch_size=1
-        )
-        with torch.no_grad():
-            out = self.prototypes()
-        return out, torch.ones(len(out), dtype=torch.bool, device=out.device)
+        out, state, loss = self.trained_prototypes(protos, labels,
+                                                   lambda m, p, y: margin_contrastive_loss(p, y, m(), margin))
+        seen = torch.ones(len(out), dtype=torch.bool, device=out.device)
+        return ServerUpdate(server_state={"global_protos": out, "has_proto": seen, "prototypes": state},
+                            metrics={"server/loss": loss, "server/margin": margin})
 
 
 class FedORGP(PrototypeMethod):
@@ -351,7 +358,8 @@ class FedORGP(PrototypeMethod):
         if server_epochs < 1 or server_batch_size < 1 or server_lr <= 0:
             raise FLUserError("server_epochs and server_batch_size must be >= 1 and server_lr > 0")
         self.save_hyperparameters()
-        self.prototypes = TrainablePrototypes(self.hparams.data_spec.num_classes, self.hparams.feature_dim)
+        self.server.module("prototypes", TrainablePrototypes(self.hparams.data_spec.num_classes,
+                                                             self.hparams.feature_dim))
 
     def proto_weight(self) -> float:
         return float(self.hparams.lambda_c)
@@ -365,18 +373,10 @@ class FedORGP(PrototypeMethod):
     def server_prototypes(self, protos, labels):
         h = self.hparams
         if not h.orthogonality:
-            return mean_prototypes(protos, labels, h.data_spec.num_classes)
-        loss = train_on_pairs(
-            self.prototypes,
-            protos,
-            labels,
-            lambda m, p, y: orthogonality_loss(p, y, m(), h.lambda_s, h.lambda_d),
-            h.server_epochs,
-            h.server_lr,
-            h.server_batch_size,
-            self.server_seed(),
-        )
-        self.log("server/loss", loss, on_step=False, on_epoch=True, batch_size=1)
-        with torch.no_grad():
-            out = self.prototypes()
-        return out, torch.ones(len(out), dtype=torch.bool, device=out.device)
+            new, seen = mean_prototypes(protos, labels, h.data_spec.num_classes)
+            return ServerUpdate(server_state={"global_protos": new, "has_proto": seen})
+        out, state, loss = self.trained_prototypes(
+            protos, labels, lambda m, p, y: orthogonality_loss(p, y, m(), h.lambda_s, h.lambda_d))
+        seen = torch.ones(len(out), dtype=torch.bool, device=out.device)
+        return ServerUpdate(server_state={"global_protos": out, "has_proto": seen, "prototypes": state},
+                            metrics={"server/loss": loss})

@@ -28,10 +28,10 @@ Defaults and where they come from:
   (The official code starts every v_k from the initial model at round 0; for a client sampled
   late that is a worse start, and with lambda > 0 it is pulled towards w_g anyway.)
 
-What stays where: the upload holds exactly the global-track model's state_dict; v_k is kept in
-`client_states[k]` (CPU, full state_dict including BN buffers) and saved with the checkpoint. It is
-committed when the server accepts the client's upload, so a client whose upload is dropped as
-non-finite keeps its previous v_k.
+What stays where: the upload holds exactly the global-track model's state_dict; v_k (full
+state_dict including BN buffers) is what the client keeps (`upload.kept`, under "personal."), in
+`client_states[k]` once the upload is accepted, so a client whose upload is dropped as non-finite
+keeps its previous v_k; while a client trains, v_k is a working copy of the model.
 
 `personal_model(k)` returns v_k. A client that has never taken part has no v_k; it gets a copy of
 the current global model (what v_k would start from).
@@ -64,25 +64,20 @@ class Ditto(SharedModelMethod):
         if lam < 0:
             raise FLUserError(f"Ditto lam must be >= 0, got {lam}")
         self.save_hyperparameters()
-        # plain attributes, not submodules: the personal model is per client and lives in
-        # client_states; it must not appear in the LightningModule's state_dict
-        self.__dict__["_personal"] = None
         self._personal_opt: torch.optim.SGD | None = None
 
     @property
-    def personal(self) -> FLModel:
-        """The current client's personal model v_k while it trains."""
-        return self.__dict__["_personal"]
+    def personal_track(self) -> FLModel:
+        """The current client's personal model v_k while it trains (a working copy)."""
+        return self.copies["personal"]
 
     def client_start(self, client: int, num_samples: int) -> None:
         super().client_start(client, num_samples)
-        if self.personal is None:
-            self.__dict__["_personal"] = copy.deepcopy(self.model)
         # first participation: v_k = the global model it has just received
-        self.personal.load_state_dict(self.client_states.get(client, self.global_weights))
-        self.personal.to(self.device).train()
+        own = self.client_state(client, "personal.") or self.global_weights
+        self.copies.get("personal", self.model, own, self.device, trainable=True)
         h = self.hparams
-        params = [p for p in self.personal.parameters() if p.requires_grad]
+        params = [p for p in self.personal_track.parameters() if p.requires_grad]
         # a new optimizer per client and round: momentum starts at zero, like the local optimizer's
         self._personal_opt = torch.optim.SGD(params, lr=self.current_lr(), momentum=h.momentum,
                                              weight_decay=h.weight_decay)
@@ -91,8 +86,8 @@ class Ditto(SharedModelMethod):
         """CE(v_k) + (lam / 2) * ||v_k - w_g||^2 over v_k's trainable parameters, w_g = round start."""
         x, y = batch
         g = self.global_params()
-        prox = sum(((p - g[n]) ** 2).sum() for n, p in self.personal.named_parameters() if p.requires_grad)
-        return F.cross_entropy(self.personal(x), y) + 0.5 * self.hparams.lam * prox
+        prox = sum(((p - g[n]) ** 2).sum() for n, p in self.personal_track.named_parameters() if p.requires_grad)
+        return F.cross_entropy(self.personal_track(x), y) + 0.5 * self.hparams.lam * prox
 
     def personal_step(self, batch) -> torch.Tensor:
         loss = self.personal_loss(batch)
@@ -100,7 +95,7 @@ class Ditto(SharedModelMethod):
         opt.zero_grad(set_to_none=True)
         # plain backward: this optimizer is not Lightning's (no loss scaling to undo)
         loss.backward()
-        params = [p for p in self.personal.parameters() if p.grad is not None]
+        params = [p for p in self.personal_track.parameters() if p.grad is not None]
         for p, g in zip(params, self.mean_across_devices([p.grad for p in params]), strict=True):
             p.grad = g
         self.clip_local_gradients(opt)  # --trainer.gradient_clip_val, as on the global track
@@ -116,14 +111,15 @@ class Ditto(SharedModelMethod):
     def client_end(self) -> ClientUpload:
         upload = super().client_end()  # the global-track model only
         g = self.global_params()
-        sq = sum(((p.detach() - g[n]) ** 2).sum() for n, p in self.personal.named_parameters())
+        sq = sum(((p.detach() - g[n]) ** 2).sum() for n, p in self.personal_track.named_parameters())
         upload.stats["personal_distance"] = float(torch.sqrt(sq))  # logged, never aggregated
-        self.keep_on_client(self.personal.state_dict())  # v_k: client_states[k] once accepted
+        upload.kept.update(self.prefixed("personal.", self.personal_track.state_dict()))  # v_k
         return upload
 
     def personal_model(self, client: int) -> FLModel:
         """v_k; a copy of the current global model for a client that never took part."""
         model = copy.deepcopy(self.model)
-        if client in self.client_states:
-            model.load_state_dict(self.client_states[client])
+        own = self.client_state(client, "personal.")
+        if own is not None:
+            model.load_state_dict(own)
         return model.to(self.device).eval()

@@ -12,11 +12,12 @@ client keeps its own head, which never leaves it:
         over its data, then only the body (head frozen) for `body_epochs` passes; it uploads the
         body.
 
-Client k's head lives in `client_states[k]` (CPU, saved in checkpoints). A client that has never
-trained starts from the initial global head: the server never changes the global model's head,
-so it is always the initial one, also after resuming. A client's new head is kept only if the
-server accepts its upload (the federation drops non-finite uploads), so a diverged client keeps
-its previous head. `personal_model(k)` = the global body + client k's head; it is what
+The personal part is the base's `personal_keys` mechanism (methods/base.py): client k's head is
+what it keeps (`client_states[k]`, under "model."). A client that has never trained starts from the
+initial global head: the server never changes the global model's head, so it is always the
+initial one, also after resuming. A client's new head is kept only if the server accepts its
+upload (the federation drops non-finite uploads), so a diverged client keeps its previous head.
+`personal_model(k)` = the global body + client k's head; it is what
 `personal/own_acc_*` reports. The global model itself (body + initial head) is what the global
 accuracy and the fine-tuning baselines see; for these methods only the personalised numbers are
 meaningful, as in the FedDr+ table.
@@ -64,13 +65,11 @@ personal head is not meant to stay near the global one.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import SharedModelMethod, abstract_base
-from fl_lightning.uploads import ClientUpload, RoundUploads
+from fl_lightning.uploads import ClientUpload
 
 
 @abstract_base
@@ -95,75 +94,27 @@ class PersonalHeadMethod(SharedModelMethod):
             raise FLUserError(f"personal_layers must name modules of the model, got {prefixes}; "
                               f"e.g. [head]")
         self.personal_prefixes = prefixes
-        self.personal_keys = [k for k in keys if any(self._under(k, p) for p in prefixes)]
-        self.shared_keys = [k for k in keys if k not in self.personal_keys]
-        if not any(k in self.shared_keys for k, _ in self.model.named_parameters()):
+        if all(k in self.personal for k, _ in self.model.named_parameters()):
             raise FLUserError(f"personal_layers {prefixes} cover the whole model; nothing would be shared")
+
+    def personal_keys(self, model: torch.nn.Module) -> list[str]:
+        return [k for k in model.state_dict() if any(self._under(k, p) for p in self.personal_prefixes)]
 
     @staticmethod
     def _under(key: str, prefix: str) -> bool:
         return key == prefix or key.startswith(prefix + ".")
 
-    # ---- parts of the model -------------------------------------------------------------------
-    def personal_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for n, p in self.model.named_parameters() if n in self.personal_keys]
-
-    def shared_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for n, p in self.model.named_parameters() if n in self.shared_keys]
-
-    def personal_state(self, client: int) -> dict[str, torch.Tensor]:
-        """Client `client`'s head; the initial global head (the global model's, never changed by
-        the server) if it has not trained yet."""
-        if client in self.client_states:
-            return self.client_states[client]
-        source = self.global_weights if self.global_weights is not None else self.model.state_dict()
-        return {k: source[k] for k in self.personal_keys}
+    @property
+    def shared_keys(self) -> list[str]:
+        return [k for k in self.model.state_dict() if k not in self.personal]
 
     def _model_state(self, keys: list[str]) -> dict[str, torch.Tensor]:
         state = self.model.state_dict()
         return {k: state[k].detach().clone() for k in keys}
 
-    def _load_part(self, state: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad():
-            current = self.model.state_dict()
-            for k, v in state.items():
-                current[k].copy_(v)
-
-    # ---- client -------------------------------------------------------------------------------
-    def client_start(self, client: int, num_samples: int) -> None:
-        super().client_start(client, num_samples)  # the global body (and the global head)
-        self._load_part(self.personal_state(client))
-
     def client_end(self) -> ClientUpload:
-        self.model.requires_grad_(True)
-        self.keep_on_client(self._model_state(self.personal_keys))  # client_states[k] once accepted
-        body = self._model_state(self.shared_keys)
-        return ClientUpload(self.current_client, self.current_num_samples, body,
-                            {"drift": self.body_distance_to_global()})
-
-    def body_distance_to_global(self) -> float:
-        """||body_k - body_g||_2 (the personal head has no global counterpart to drift from)."""
-        g = self.global_params()
-        sq = sum(((p.detach() - g[n]) ** 2).sum() for n, p in self.model.named_parameters() if n in self.shared_keys)
-        return float(torch.sqrt(sq))
-
-    # ---- server -------------------------------------------------------------------------------
-    def aggregate(self, uploads: RoundUploads) -> None:
-        avg = uploads.weighted_average(lambda u: u.weights)
-        for k in self.personal_keys:  # the global head stays the initial one, bit for bit
-            avg[k] = self.global_weights[k]
-        self.load_global(self.server_step(avg))
-
-    # ---- personalisation ----------------------------------------------------------------------
-    def personal_model(self, client: int) -> torch.nn.Module:
-        """The global body + client `client`'s head, as a new module on `self.device`."""
-        model = copy.deepcopy(self.model).requires_grad_(True).eval()
-        # between rounds self.model is the global model; inside a round it is a client's model
-        state = self.model.state_dict() if self.current_client is None else self.global_weights
-        state = {k: v.detach().clone() for k, v in state.items()}
-        state.update(self.personal_state(client))
-        model.load_state_dict(state)
-        return model.to(self.device)
+        self.model.requires_grad_(True)  # FedRep froze one part in its phases
+        return super().client_end()
 
 
 class FedPer(PersonalHeadMethod):
@@ -209,8 +160,8 @@ class FedRep(PersonalHeadMethod):
     def start_phase(self, phase: str) -> None:
         """Freeze the other part, remember its state to restore its buffers, fresh momentum."""
         self.phase = phase
-        trained, frozen = ((self.personal_keys, self.shared_keys) if phase == "head"
-                           else (self.shared_keys, self.personal_keys))
+        trained, frozen = ((self.personal, self.shared_keys) if phase == "head"
+                           else (self.shared_keys, self.personal))
         for name, p in self.model.named_parameters():
             p.requires_grad_(name in trained)
         self._frozen_state = self._model_state(frozen)
@@ -219,7 +170,7 @@ class FedRep(PersonalHeadMethod):
     def end_phase(self) -> None:
         # parameters without gradient are untouched already; this undoes the BN running statistics
         # the frozen part collected in forward passes of the other part's phase
-        self._load_part(self._frozen_state)
+        self.load_model_part(self._frozen_state)
         self._frozen_state = {}
 
     def minibatch_step(self, batch):

@@ -1,0 +1,90 @@
+"""The library internals fl-lightning depends on, each behind one function here, so that an
+upgrade of Lightning, jsonargparse, W&B's Lightning logger or argparse breaks in one place (each has
+a test in tests/test_compat.py that fails if the internal changes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def skip_next_validation(trainer) -> None:
+    """Lightning runs validation at the end of every training epoch, also one that
+    `trainer.should_stop` ends early; a round that stopped before its server step has no new model
+    to evaluate. (`_TrainingEpochLoop._skip_next_val`, read once at the epoch's last batch.)"""
+    loop = trainer.fit_loop.epoch_loop
+    if not hasattr(loop, "_skip_next_val"):
+        raise RuntimeError("Lightning's training epoch loop has no _skip_next_val any more: "
+                           "update fl_lightning/compat.py")
+    loop._skip_next_val = True
+
+
+def launched_processes(trainer) -> list[tuple[int, object]]:
+    """(global rank, subprocess.Popen) of the processes Lightning's launcher started from this one
+    (ranks 1.. of `--trainer.strategy ddp` on this machine; none under torchrun or SLURM, whose
+    agents watch their processes themselves). (`_SubprocessScriptLauncher.procs`.)"""
+    launcher = getattr(trainer.strategy, "launcher", None)
+    procs = getattr(launcher, "procs", None)
+    if not procs:
+        return []
+    base = trainer.node_rank * trainer.num_devices
+    return [(base + local_rank, proc) for local_rank, proc in enumerate(procs, start=1)]
+
+
+def set_collective_timeout(strategy, seconds: float) -> None:
+    """The timeout of the process group a DDP strategy creates (`DDPStrategy._timeout`, read when
+    the group is initialised)."""
+    import datetime
+
+    if not hasattr(strategy, "_timeout"):
+        raise RuntimeError("Lightning's DDPStrategy has no _timeout any more: update fl_lightning/compat.py")
+    strategy._timeout = datetime.timedelta(seconds=seconds)
+
+
+def sync_module_states(module) -> None:
+    """Broadcasts rank 0's parameters and buffers to every process (Lightning's
+    `_sync_module_states`, what DistributedDataParallel does when it wraps a module)."""
+    from lightning.pytorch.overrides.distributed import _sync_module_states
+
+    _sync_module_states(module)
+
+
+def skip_per_batch_sigterm_broadcast(trainer) -> None:
+    """Lightning's training loop broadcasts a SIGTERM flag from rank 0 before every batch
+    (`_TrainingEpochLoop._broadcast_sigterm_tensor`), a collective that pairs up the processes'
+    batches; with clients in parallel a batch is a client and processes train different numbers."""
+    loop = trainer.fit_loop.epoch_loop
+    if not hasattr(loop, "_broadcast_sigterm_tensor"):
+        raise RuntimeError("Lightning's training epoch loop has no _broadcast_sigterm_tensor any more: "
+                           "update fl_lightning/compat.py")
+    loop._broadcast_sigterm_tensor = lambda: None
+
+
+def count_manual_optimizer_step(trainer) -> None:
+    """A local step taken without Lightning's optimizer wrapper still counts as one of Lightning's
+    optimizer steps (`trainer.global_step`, which loggers and `max_steps` read)."""
+    progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+    progress.increment_ready()
+    progress.increment_completed()
+
+
+def import_object(path: str) -> Any:
+    """The class or function a dotted path names, as jsonargparse resolves `class_path`."""
+    from jsonargparse._util import import_object as resolve
+
+    return resolve(path)
+
+
+def parser_actions(parser) -> list:
+    """The options an argparse (or jsonargparse) parser knows (`ArgumentParser._actions`)."""
+    return list(parser._actions)
+
+
+def wandb_init_kwargs(logger) -> dict:
+    """The keyword arguments Lightning's WandbLogger will pass to `wandb.init` when it creates the
+    run (`WandbLogger._wandb_init`): config, group and tags are set there before the run exists."""
+    return logger._wandb_init
+
+
+def wandb_run_created(logger) -> bool:
+    """Whether Lightning's WandbLogger has created its W&B run yet (`WandbLogger._experiment`)."""
+    return logger._experiment is not None

@@ -1,0 +1,118 @@
+"""How `--config` files compose into a run, and what the run is called.
+
+A run is layered from files, left to right (a later file overrides an earlier one): a *setting*
+(it has `data:`, the paper's setting), then one *method* file (it sets `model.class_path`), then
+option overlays (e.g. `configs/methods/fedconst/const.yaml`, "+ CONST"). A file may also be a
+list of such files (`layer: [setting.yaml, method.yaml]`, relative to itself): the one-file entry
+to a paper's experiment, e.g. `configs/fedsol_cifar10.yaml`. The run is named after its files,
+`<setting>/<method>[+<overlay>...]`; a setting alone runs its baseline method and is named
+`<setting>/<baseline>` (so it never nests around the runs of its methods).
+
+Mistakes in the layering are refused in one line before anything runs: a method file before the
+setting (the setting would override the method's options), two method files (only the last would
+run, under both names), a file that does not exist (naming a file of that name elsewhere under
+configs/ when there is one).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import yaml
+
+from fl_lightning.errors import FLUserError
+
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def _read(path: Path):
+    try:
+        return yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return None  # jsonargparse reports an unreadable file in its own words
+
+
+def _missing(path: str) -> FLUserError:
+    name = Path(path).name
+    roots = [Path("configs"), Path(__file__).resolve().parents[1] / "configs"]
+    found = sorted({os.path.relpath(p) for root in roots if root.is_dir() for p in root.rglob(name)})
+    hint = f"; did you mean {' or '.join(found[:3])}?" if found else ""
+    return FLUserError(f"--config {path}: no such file{hint}")
+
+
+def expand_layers(path: str, depth: int = 0) -> list[str]:
+    """The files a `--config` file stands for: itself, or the files its `layer:` list names."""
+    file = Path(path)
+    if not file.is_file():
+        raise _missing(path)
+    doc = _read(file)
+    if not (isinstance(doc, dict) and set(doc) == {"layer"}):
+        return [path]
+    layers = doc["layer"]
+    if depth > 8 or not isinstance(layers, list) or not all(isinstance(x, str) for x in layers):
+        raise FLUserError(f"--config {path}: `layer:` must be a list of config files (relative to {file.parent})")
+    return [p for layer in layers for p in expand_layers(os.path.relpath(file.parent / layer), depth + 1)]
+
+
+def layered_config_args(argv: list[str]) -> list[str]:
+    """`argv` with every `--config X` replaced by the files X stands for, checked for layering."""
+    out, files, i = [], [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config" and i + 1 < len(argv):
+            value, i = argv[i + 1], i + 2
+        elif arg.startswith("--config="):
+            value, i = arg.split("=", 1)[1], i + 1
+        else:
+            out.append(arg)
+            i += 1
+            continue
+        expanded = expand_layers(value)
+        files += expanded
+        out += [a for f in expanded for a in ("--config", f)]
+    check_layering(files)
+    return out
+
+
+def _role(path: str) -> tuple[str, str | None]:
+    """("setting" | "method" | "overlay", the method class it sets or None)."""
+    doc = _read(Path(path))
+    if not isinstance(doc, dict):
+        return "overlay", None
+    model = doc.get("model")
+    method = model.get("class_path") if isinstance(model, dict) else model if isinstance(model, str) else None
+    method = str(method).rpartition(".")[2] if method else None
+    if "data" in doc or "trainer" in doc:
+        return "setting", method
+    return ("method" if method else "overlay"), method
+
+
+def check_layering(files: list[str]) -> None:
+    """A setting first, then at most one method file (see the module docstring)."""
+    roles = [(f, *_role(f)) for f in files]
+    settings = [i for i, (_, role, _) in enumerate(roles) if role == "setting"]
+    methods = [(f, m) for f, role, m in roles if role == "method"]
+    first_method = next((i for i, (_, role, _) in enumerate(roles) if role == "method"), None)
+    if settings and first_method is not None and first_method < settings[0]:
+        raise FLUserError(f"--config {roles[first_method][0]} (a method file) comes before the setting "
+                          f"{roles[settings[0]][0]}, which would override it: give the setting first "
+                          f"(--config <setting> --config <method>)")
+    if len(methods) > 1:
+        chosen = ", ".join(f"{f} ({m})" for f, m in methods)
+        raise FLUserError(f"two method files choose the method: {chosen}; a run has one method: layer one method "
+                          f"file over the setting, and option overlays (files without model.class_path, such as "
+                          f"configs/methods/fedconst/const.yaml) after it")
+
+
+def run_name_from_configs(config_files: list, method: str | None = None) -> str | None:
+    """`<setting>/<method>` from `--config <setting> --config <method> [...]`: the first file's stem,
+    then the others' joined by `+` (`fedconst_crossdevice_cifar10/fedavg+const`); a setting alone
+    is `<setting>/<its method, lower case>` when `method` (the run's method class) is given.
+    None without a config file."""
+    stems = [Path(str(f)).stem for f in config_files or [] if Path(str(f)).suffix in CONFIG_SUFFIXES]
+    if not stems:
+        return None
+    if len(stems) == 1:
+        return f"{stems[0]}/{method.lower()}" if method else stems[0]
+    return f"{stems[0]}/{'+'.join(stems[1:])}"

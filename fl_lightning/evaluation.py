@@ -1,0 +1,147 @@
+"""One way to evaluate class scores, used by every evaluation in the project: the global model in
+Lightning's validation and test loops, the round's local models on the global test subset, each
+heterogeneous client's own model on its own test split, personalised fine-tuning, and the
+analyses' per-class accuracy.
+
+`Evaluation` holds torchmetrics metrics (accuracy, mean cross-entropy; optionally per-class
+accuracy), so Lightning can log and sync them across processes, and `evaluate` runs a model over
+batches with it. One NaN policy for all of them: class scores are taken as they are (in float32),
+so a model with NaN/inf scores gets a NaN loss, never dropped, never replaced, and the divergence
+check sees it. (A method that wants to exclude classes from its predictions, such as prediction by
+the nearest prototype among the classes that have one, gives them a large finite negative score,
+not -inf.) The best accuracy of a run has one tracker, `BestAccuracy`, with the same policy: a NaN
+accuracy is never the best.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import Metric
+from torchmetrics.classification import MulticlassAccuracy
+
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module) -> Iterator[nn.Module]:
+    """Eval mode for the duration, then every submodule's own train/eval flag restored."""
+    flags = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield module
+    finally:
+        for m, training in flags:
+            m.training = training
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """An evaluation's figures: accuracy = correct / samples (NaN without samples), the mean
+    cross-entropy, and per class (NaN for a class without samples) when asked for."""
+
+    accuracy: float
+    loss: float
+    correct: int
+    samples: int
+    class_accuracy: torch.Tensor | None = None
+
+
+class MeanLoss(Metric):
+    """The per-sample mean of a loss given as batch sums, in float64, NaN kept (never dropped).
+
+    (torchmetrics' `MeanMetric(nan_strategy="disable")`, the way to keep NaN there, replaces its
+    weights by ones in torchmetrics 1.9, which turns a weighted mean into a mean of batch means.)"""
+
+    full_state_update = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.add_state("total", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("samples", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, loss_sum: torch.Tensor, samples: int) -> None:
+        self.total += loss_sum.detach().double()
+        self.samples += samples
+
+    def compute(self) -> torch.Tensor:
+        return self.total / self.samples
+
+
+class Evaluation(nn.Module):
+    """Accuracy and mean cross-entropy (and per-class accuracy with `per_class`) of class scores.
+
+    Args:
+        num_classes: number of classes of the scores.
+        per_class: also count per class (the analyses' class-wise accuracy).
+        sync: sum the counts of every process when computed (Lightning's logging of the global
+            model's evaluation); an evaluation one process makes for itself (a local model, a
+            client's own model) must not wait for the others.
+    """
+
+    def __init__(self, num_classes: int, per_class: bool = False, sync: bool = False):
+        super().__init__()
+        kw = {"validate_args": False, "sync_on_compute": sync}
+        self.accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro", **kw)
+        self.loss = MeanLoss(sync_on_compute=sync)  # a NaN loss must reach the divergence policy, not be dropped
+        self.per_class = MulticlassAccuracy(num_classes=num_classes, average="none", **kw) if per_class else None
+
+    def update(self, scores: torch.Tensor, y: torch.Tensor) -> None:
+        scores = scores.float()
+        self.accuracy.update(scores, y)
+        self.loss.update(F.cross_entropy(scores, y, reduction="sum"), len(y))
+        if self.per_class is not None:
+            self.per_class.update(scores, y)
+
+    def result(self) -> EvalResult:
+        correct, samples = int(self.accuracy.tp.sum()), int((self.accuracy.tp + self.accuracy.fn).sum())
+        class_accuracy = None
+        if self.per_class is not None:
+            tp, support = self.per_class.tp.double(), (self.per_class.tp + self.per_class.fn).double()
+            class_accuracy = torch.where(support > 0, tp / support.clamp_min(1), torch.full_like(tp, math.nan))
+        loss = float(self.loss.total / self.loss.samples) if samples else math.nan  # this process's counts
+        return EvalResult(correct / samples if samples else math.nan, loss, correct, samples, class_accuracy)
+
+    def reset(self) -> None:
+        for metric in (self.accuracy, self.loss, self.per_class):
+            if metric is not None:
+                metric.reset()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: Iterable, num_classes: int, device: torch.device | str | None = None,
+             scores: Callable[[torch.Tensor], torch.Tensor] | None = None, per_class: bool = False) -> EvalResult:
+    """`model` (in eval mode for the duration, its flags restored after) on `batches` of (x, y):
+    its class scores are `scores(x)` if given (e.g. a method's cosine or prototype predictions
+    with `model` installed), else `model(x)`."""
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    metrics = Evaluation(num_classes, per_class).to(device)
+    forward = scores or model
+    with eval_mode(model):
+        for x, y in batches:
+            x, y = x.to(device), y.to(device)
+            metrics.update(forward(x), y)
+    return metrics.result()
+
+
+class BestAccuracy:
+    """The run's best accuracy and the (1-based) round it was reached in: the first of equal
+    values; a NaN accuracy is never the best. Its state goes through checkpoints."""
+
+    def __init__(self):
+        self.value = math.nan
+        self.round: int | None = None
+
+    def update(self, accuracy: float, round_number: int) -> None:
+        if math.isfinite(accuracy) and (self.round is None or accuracy > self.value):
+            self.value, self.round = accuracy, round_number
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "round": self.round}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value, self.round = float(state.get("value", math.nan)), state.get("round")

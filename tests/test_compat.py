@@ -1,0 +1,120 @@
+"""Every library internal fl-lightning relies on (fl_lightning/compat.py), checked to still be
+there and to still do what the project needs: an upgrade of Lightning, jsonargparse or W&B that
+changes one of them fails here, in one place."""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+
+import lightning as L
+import torch
+from fl_test_utils import fit, one_client_module, toy_data
+
+from fl_lightning import compat
+from fl_lightning.methods import FedAvg
+
+
+def test_skip_next_validation_skips_the_validation_of_that_epoch_only():
+    class SkipRoundOne(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.current_epoch == 0:
+                compat.skip_next_validation(trainer)
+
+    class CountingFedAvg(FedAvg):
+        def validation_step(self, batch, batch_idx):
+            self.validated.append(self.current_epoch)
+            return super().validation_step(batch, batch_idx)
+
+    x, y = toy_data(n=12)
+    dm = one_client_module(x, y)
+    method = CountingFedAvg(model="mlp", data_spec=dm.spec)
+    method.validated = []
+    fit(method, dm, rounds=2, callbacks=[SkipRoundOne()])
+    assert method.validated and set(method.validated) == {1}
+
+
+def test_counted_manual_steps_are_lightnings_global_step():
+    """One client, one epoch of 3 batches: 3 direct local steps, all counted."""
+    x, y = toy_data(n=12)
+    dm = one_client_module(x, y, batch_size=4)
+    trainer = fit(FedAvg(model="mlp", data_spec=dm.spec), dm, rounds=2)
+    assert trainer.global_step == 6
+
+
+def test_the_per_batch_sigterm_broadcast_is_a_loop_attribute_called_every_batch():
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    assert "self._broadcast_sigterm_tensor()" in inspect.getsource(_TrainingEpochLoop.advance)
+    trainer = L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False)
+    compat.skip_per_batch_sigterm_broadcast(trainer)
+    assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor() is None
+
+
+def test_the_collective_timeout_is_what_ddp_initialises_its_process_group_with():
+    from lightning.pytorch.strategies import DDPStrategy
+
+    strategy = DDPStrategy()
+    compat.set_collective_timeout(strategy, 90)
+    assert strategy._timeout == datetime.timedelta(seconds=90)
+    assert '"timeout": self._timeout' in inspect.getsource(DDPStrategy.setup_distributed)
+
+
+def test_launched_processes_are_the_subprocess_launchers_procs():
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+    launcher = _SubprocessScriptLauncher(LightningEnvironment(), num_processes=3, num_nodes=1)
+    assert launcher.procs == []  # filled with subprocess.Popen objects, one per rank 1..n-1
+    assert "self.procs.append(new_process)" in inspect.getsource(_SubprocessScriptLauncher._call_children_scripts)
+    trainer = L.Trainer(logger=False, enable_checkpointing=False)
+    assert compat.launched_processes(trainer) == []  # one process: none
+    strategy = DDPStrategy()
+    strategy._launcher = launcher
+    launcher.procs = ["p1", "p2"]
+
+    class Fake:
+        node_rank, num_devices = 0, 3
+
+    Fake.strategy = strategy
+    assert compat.launched_processes(Fake) == [(1, "p1"), (2, "p2")]
+
+
+def test_sync_module_states_broadcasts_rank_0s_tensors(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        module = torch.nn.Linear(2, 2)
+        before = {k: v.clone() for k, v in module.state_dict().items()}
+        compat.sync_module_states(module)
+        assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_import_object_and_parser_actions():
+    assert compat.import_object("fl_lightning.methods.FedAvg") is FedAvg
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_argument("--x", type=int)
+    assert "x" in [a.dest for a in compat.parser_actions(parser)]
+
+
+def test_wandb_init_kwargs_reach_the_run_and_the_run_is_created_lazily(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    from fl_lightning.loggers import FLWandbLogger
+
+    logger = FLWandbLogger(offline=True, save_dir=str(tmp_path), name="compat")
+    assert not compat.wandb_run_created(logger)
+    compat.wandb_init_kwargs(logger)["group"] = "g"
+    run = logger.experiment
+    try:
+        assert compat.wandb_run_created(logger)
+        assert run.group == "g"
+    finally:
+        import wandb
+
+        wandb.finish()

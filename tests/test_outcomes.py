@@ -1,0 +1,311 @@
+"""A run's outcome survives signals, other processes and damaged state (issue 19), tested the way
+it happens: CLI subprocesses on 1 and 2 gloo processes with faults injected at exact points
+(tests/killswitch.py: SIGKILL, signals, a disk that refuses writes; tests/faulty_methods.py: a
+client whose training diverges, a collapsing model), and real run directories whose client-state
+files are deleted, truncated, swapped or flipped. Every fault ends in one `error:` line and a
+documented exit code (fl_lightning/outcome.py), never a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fl_lightning.checkpointing import completed_rounds
+from fl_lightning.outcome import EXIT_LOST, EXIT_STOPPED, EXIT_USER_ERROR, Outcome, read_outcome
+from fl_lightning.results import read_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+S, M = REPO / "configs" / "settings", REPO / "configs" / "methods"
+# the issue's shorthand T, on the MNIST-5k setting with FedAvg
+TINY = ["--config", str(S / "mnist5k.yaml"), "--config", str(M / "fedsol" / "fedavg.yaml"),
+        "--data.dataset", "digits", "--model.init_args.model", "mlp", "--data.num_clients", "10",
+        "--data.min_size", "5", "--federation.eval_local_models", "false", "--trainer.enable_progress_bar", "false",
+        "--analysis.partition", "false"]
+TWO_PROCESSES = ["--trainer.accelerator", "cpu", "--trainer.strategy", "ddp", "--trainer.devices", "2"]
+
+
+def env() -> dict:
+    e = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), str(REPO), e.get("PYTHONPATH", "")])
+    return e
+
+
+def start(root: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "fl_lightning.cli", "fit", *TINY, *args,
+                             "--trainer.default_root_dir", str(root)],
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
+
+
+def run(root: Path, *args: str) -> tuple[int, str]:
+    return finish(start(root, *args))
+
+
+def callback(class_path: str, **init_args) -> str:
+    return f"--trainer.callbacks+={json.dumps({'class_path': class_path, 'init_args': init_args})}"
+
+
+def error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("error:")]
+
+
+def summary(root: Path) -> dict:
+    return json.loads((root / "summary.json").read_text())
+
+
+def assert_one_line(err: str, pattern: str) -> str:
+    lines = error_lines(err)
+    assert len(lines) == 1, err[-3000:]
+    assert re.fullmatch(pattern, lines[0]), lines[0]
+    assert "Traceback" not in err, err[-3000:]
+    return lines[0]
+
+
+# ---- a decision to stop is the same on every process ----------------------------------------------
+def test_a_divergence_on_two_processes_ends_exactly_as_on_one(tmp_path):
+    """lr 1e25: every client's weights become NaN on both processes (rank 1 used to crash in
+    its W&B summary call with a traceback, and summary.json said diverged: false)."""
+    diverging = ["--model.init_args.lr", "1e25", "--federation.collapse_rounds", "0", "--trainer.max_epochs", "3"]
+    procs = {n: start(tmp_path / str(n), *diverging, *(TWO_PROCESSES if n == 2 else [])) for n in (1, 2)}
+    lines = {}
+    for n, proc in procs.items():
+        code, err = finish(proc)
+        assert code == EXIT_STOPPED, err[-3000:]
+        lines[n] = assert_one_line(err, r"error: diverged: non-finite weights at round 1/3, client \d+, method FedAvg; "
+                                        r"lower the lr or set --federation.on_divergence skip_client")
+    assert lines[1] == lines[2]
+    one, two = summary(tmp_path / "1"), summary(tmp_path / "2")
+    assert one["outcome"] == two["outcome"] == "diverged" and one["diverged"] and two["diverged"]
+    assert one["reason"] == two["reason"] == lines[1].removeprefix("error: ")
+    assert read_outcome(tmp_path / "2") is Outcome.DIVERGED
+
+
+def test_skip_client_on_two_processes_skips_the_same_client_and_runs_on(tmp_path):
+    """One client's upload is NaN in every round it is sampled; on_divergence skip_client drops it
+    on whichever process trained it, and both runs finish with the same per-round metrics."""
+    args = ["--model", "faulty_methods.PoisonedClient", "--model.init_args.poisoned", "3",
+            "--federation.on_divergence", "skip_client", "--data.sample_ratio", "0.5", "--trainer.max_epochs", "2"]
+    procs = {n: start(tmp_path / str(n), *args, *(TWO_PROCESSES if n == 2 else [])) for n in (1, 2)}
+    for proc in procs.values():
+        code, err = finish(proc)
+        assert code == 0 and not error_lines(err) and "Traceback" not in err, err[-3000:]
+    rows = {n: read_metrics(tmp_path / str(n) / "metrics.csv") for n in procs}
+    assert [r["clients/skipped"] for r in rows[1]] == [r["clients/skipped"] for r in rows[2]]
+    assert sum(r["clients/skipped"] for r in rows[1]) >= 1  # client 3 was sampled and skipped
+    assert [r["global/test_acc"] for r in rows[1]] == [r["global/test_acc"] for r in rows[2]]
+    for n in procs:
+        assert summary(tmp_path / str(n))["outcome"] == "finished"
+        clients = read_metrics(tmp_path / str(n) / "clients.csv")  # the per-client rows say which
+        assert {int(r["client"]) for r in clients if r["skipped"]} == {3}
+
+
+def test_a_collapse_with_on_collapse_stop_on_two_processes_exits_3_once(tmp_path):
+    args = ["--model", "faulty_methods.Collapsing", "--model.init_args.from_round", "2",
+            "--federation.collapse_rounds", "1", "--federation.on_collapse", "stop", "--model.init_args.lr", "0.5",
+            "--data.partition", "iid", "--trainer.max_epochs", "4", *TWO_PROCESSES]
+    code, err = run(tmp_path / "run", *args)
+    assert code == EXIT_STOPPED, err[-3000:]
+    assert_one_line(err, r"error: failed: test accuracy has been at chance level .* at round 2/4, method Collapsing; "
+                         r"lower the lr or set --federation.on_collapse mark")
+    record = summary(tmp_path / "run")
+    assert record["outcome"] == "failed" and record["rounds_completed"] == 2 and not record["finished"]
+
+
+# ---- a finished run stays finished ---------------------------------------------------------------
+def test_a_signal_after_the_end_changes_nothing_and_a_resume_completes_the_records(tmp_path):
+    root = tmp_path / "run"
+    code, err = run(root, "--trainer.max_epochs", "2", callback("killswitch.KillSwitch", round=2, where="end",
+                                                               sig="SIGTERM"))
+    assert code == 0 and not error_lines(err), err[-3000:]  # the run had ended: exit 0, not 143
+    done = summary(root)
+    assert done["outcome"] == "finished" and done["finished"] and done["rounds_completed"] == 2
+    rows = read_metrics(root / "metrics.csv")
+    # the records are lost (or were never written: a kill -9 right after the last checkpoint);
+    # resuming the checkpoint of the last round writes them again and trains nothing
+    (root / "summary.json").unlink()
+    (root / "metrics.csv").unlink()
+    code, err = run(root, "--trainer.max_epochs", "2", "--ckpt_path", "last")
+    assert code == 0 and not error_lines(err), err[-3000:]
+    again = summary(root)
+    assert again["outcome"] == "finished" and again["finished"]
+    assert (again["final_acc"], again["best_acc"]) == (done["final_acc"], done["best_acc"])
+    assert read_metrics(root / "metrics.csv") == rows
+    assert read_outcome(root) is Outcome.FINISHED  # what sweep and report read
+
+
+def test_a_run_killed_after_its_last_checkpoint_is_finished_and_resumes_to_exit_0(tmp_path):
+    root = tmp_path / "run"
+    code, err = run(root, "--trainer.max_epochs", "2", callback("killswitch.KillSwitch", round=2, where="end"))
+    assert code == -signal.SIGKILL, err[-3000:]
+    assert summary(root)["outcome"] == "finished"  # decided with the last round, before its checkpoint
+    code, err = run(root, "--trainer.max_epochs", "2", "--ckpt_path", "last")
+    assert code == 0 and not error_lines(err), err[-3000:]
+    assert summary(root)["finished"] is True
+    code, err = run(root, "--trainer.max_epochs", "3", "--ckpt_path", "last")  # extended: trains round 3
+    assert code == 0, err[-3000:]
+    assert summary(root)["rounds_completed"] == 3 and summary(root)["outcome"] == "finished"
+
+
+def test_a_stopped_run_resumed_says_so_again_and_trains_nothing(tmp_path):
+    root = tmp_path / "run"
+    args = ["--model", "faulty_methods.Collapsing", "--model.init_args.from_round", "2",
+            "--federation.collapse_rounds", "1", "--federation.on_collapse", "stop", "--model.init_args.lr", "0.5",
+            "--data.partition", "iid", "--trainer.max_epochs", "4"]
+    code, first = run(root, *args)
+    assert code == EXIT_STOPPED
+    code, again = run(root, *args, "--ckpt_path", "last")
+    assert code == EXIT_STOPPED and error_lines(again) == error_lines(first)
+    assert summary(root)["rounds_completed"] == 2
+
+
+# ---- signals ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("first,second", [("SIGTERM", "SIGINT"), ("SIGINT", "SIGINT")])
+def test_a_second_signal_during_the_clean_up_changes_nothing(tmp_path, first, second):
+    """An impatient Ctrl-C Ctrl-C, a scheduler's TERM then INT: the second arrives while the first
+    is being handled (from Lightning's exception hooks); the exit is the first's, the checkpoint
+    intact."""
+    root = tmp_path / "run"
+    code, err = run(root, "--trainer.max_epochs", "3",
+                    callback("killswitch.KillSwitch", round=2, where="train", sig=first, then=second))
+    assert code == 128 + getattr(signal, first), err[-3000:]
+    assert_one_line(err, rf"error: interrupted by {first} in round 2/3; 1 completed round\(s\) are saved in "
+                         r".*last\.ckpt: resume with the same command and --ckpt_path last")
+    assert completed_rounds(torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)) == 1
+    assert summary(root)["outcome"] == "interrupted"
+
+
+# ---- a lost process ------------------------------------------------------------------------------
+def test_a_process_killed_on_rank_1_ends_the_run_in_one_line_and_it_resumes(tmp_path):
+    root = tmp_path / "run"
+    code, err = run(root, "--trainer.max_epochs", "3", *TWO_PROCESSES,
+                    callback("killswitch.KillSwitch", round=2, where="train", rank=1))
+    assert code == EXIT_LOST, err[-3000:]
+    assert_one_line(err, r"error: lost process: rank 1 \(pid \d+\) was killed by SIGKILL in round 2/3; 1 completed "
+                         r"round\(s\) are saved in .*last\.ckpt; run the same command with --ckpt_path last to resume")
+    assert summary(root)["outcome"] == "lost"
+    code, err = run(root, "--trainer.max_epochs", "3", *TWO_PROCESSES, "--ckpt_path", "last")
+    assert code == 0, err[-3000:]
+    assert summary(root)["outcome"] == "finished" and summary(root)["rounds_completed"] == 3
+
+
+# ---- the disk refuses a write --------------------------------------------------------------------
+@pytest.mark.parametrize("error,at", [("ENOSPC", 2), ("EROFS", 0)])
+def test_a_disk_that_refuses_writes_ends_in_one_line(tmp_path, error, at):
+    root = tmp_path / "run"
+    code, err = run(root, "--trainer.max_epochs", "3", callback("killswitch.DiskFault", round=at, error=error))
+    assert code == EXIT_LOST, err[-3000:]
+    reason = "No space left on device" if error == "ENOSPC" else "Read-only file system"
+    line = assert_one_line(err, rf"error: the disk refused a write \({reason}: .*\); .*")
+    if at:  # round 1 is safe, and the same command resumes it once there is room
+        assert "1 completed round(s) are saved" in line and line.endswith("run the same command with --ckpt_path last")
+        code, err = run(root, "--trainer.max_epochs", "3", "--ckpt_path", "last")
+        assert code == 0, err[-3000:]
+        assert [r["round"] for r in read_metrics(root / "metrics.csv")] == [1, 2, 3]
+
+
+# ---- damaged client-state files ------------------------------------------------------------------
+SCAFFOLD = ["--model", "SCAFFOLD", "--data.sample_ratio", "0.5"]  # the setting's FedAvg swapped for SCAFFOLD
+
+
+@pytest.fixture(scope="module")
+def scaffold_run(tmp_path_factory):
+    """2 rounds of SCAFFOLD: every sampled client keeps its c_i in a checked state file."""
+    root = tmp_path_factory.mktemp("scaffold") / "run"
+    code, err = run(root, *SCAFFOLD, "--trainer.max_epochs", "2")
+    assert code == 0, err[-3000:]
+    return root
+
+
+def _copy(run_dir: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "copy"
+    shutil.copytree(run_dir, target)
+    return target
+
+
+def _state_files(root: Path) -> list[Path]:
+    return sorted((root / "checkpoints" / "client_states").glob("client*.safetensors"))
+
+
+def _resume_in_process(root: Path, capsys) -> tuple[int, str]:
+    from fl_lightning.cli import main
+
+    try:
+        main(["fit", *TINY, *SCAFFOLD, "--trainer.max_epochs", "3", "--trainer.logger", "false",
+              "--trainer.default_root_dir", str(root), "--ckpt_path", "last"])
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
+    return code, capsys.readouterr().err
+
+
+def _flip_a_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "deleted": (lambda files: files[0].unlink(), "is missing"),
+    "truncated": (lambda files: files[0].write_bytes(files[0].read_bytes()[:100]), "has 100 bytes where"),
+    "empty": (lambda files: files[0].write_bytes(b""), "has 0 bytes where"),
+    "garbage": (lambda files: files[0].write_bytes(os.urandom(files[0].stat().st_size)),
+                "does not match its checksum"),
+    "bit flipped": (lambda files: _flip_a_bit(files[0]), "does not match its checksum"),
+    "swapped": (lambda files: (files[0].rename(files[0].with_suffix(".tmp")), files[1].rename(files[0]),
+                               files[0].with_suffix(".tmp").rename(files[1])),
+                r"holds client \d+'s state \(files swapped\?\)"),
+    "folder deleted": (lambda files: shutil.rmtree(files[0].parent), "is missing"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_client_state_file_is_refused_in_one_line(damage, scaffold_run, tmp_path, capsys):
+    root = _copy(scaffold_run, tmp_path)
+    files = _state_files(root)
+    assert len(files) >= 2
+    corrupt, expected = DAMAGE[damage]
+    corrupt(files)
+    code, err = _resume_in_process(root, capsys)
+    assert code == EXIT_USER_ERROR
+    assert_one_line(err, rf"error: client-state file .*client\d+\.v\d+\.safetensors \(client \d+\) {expected}.*; "
+                         r"the run cannot continue exactly without it: .*")
+
+
+def test_a_swapped_file_is_refused_through_the_cli_before_anything_trains(scaffold_run, tmp_path):
+    root = _copy(scaffold_run, tmp_path)
+    a, b = _state_files(root)[:2]
+    data_a, data_b = a.read_bytes(), b.read_bytes()
+    a.write_bytes(data_b)
+    b.write_bytes(data_a)
+    code, err = run(root, *SCAFFOLD, "--trainer.max_epochs", "3", "--ckpt_path", "last")
+    assert code == EXIT_USER_ERROR
+    assert_one_line(err, r"error: client-state file .* holds client \d+'s state \(files swapped\?\).*")
+    assert "Initializing" not in err and summary(root)["rounds_completed"] == 2  # nothing ran
+
+
+def test_a_moved_run_directory_resumes_and_stray_temporaries_go(scaffold_run, tmp_path, capsys):
+    """The checkpoint names its state files relative to itself; a killed writer's temporaries in
+    the state folders are removed on the next start."""
+    root = _copy(scaffold_run, tmp_path / "elsewhere")
+    stray = [root / "checkpoints" / "client_states" / ".partial-123-client3.v9.safetensors",
+             root / "checkpoints" / "client_states" / "rank1" / ".partial-124-client4.v9.safetensors"]
+    for path in stray:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"half")
+    code, err = _resume_in_process(root, capsys)
+    assert code == 0, err[-3000:]
+    assert summary(root)["rounds_completed"] == 3 and summary(root)["outcome"] == "finished"
+    assert not any(p.exists() for p in stray)
