@@ -116,7 +116,7 @@ class RoundCheckpoint(Checkpoint):
             started = time.perf_counter()
             try:
                 self._saved_epoch = trainer.current_epoch
-                trainer.save_checkpoint(self.last_path)
+                trainer.save_checkpoint(self.last_path, weights_only=False)  # the whole run, loops included
             finally:
                 self.saving = False
             if trainer.is_global_zero:  # benchmarks/checkpoint_cost.py reads this line

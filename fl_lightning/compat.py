@@ -4,7 +4,16 @@ a test in tests/test_compat.py that fails if the internal changes)."""
 
 from __future__ import annotations
 
+import logging
+import warnings
 from typing import Any
+
+# Lightning's start-up advertisement for its hosted services (`rank_zero_info("💡 Tip: ...")` in
+# its logger and checkpoint connectors), logged whenever neither LitLogger nor litmodels is in use.
+LIGHTNING_TIP_PREFIX = "💡 Tip:"
+# Lightning 2.6's own pytree helper calls an API torch >= 2.9 deprecates (a Lightning matter,
+# printed once per run at the first batch); nothing a user of fl-lightning can act on.
+LIGHTNING_PYTREE_DEPRECATION = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 
 
 def skip_next_validation(trainer) -> None:
@@ -88,3 +97,18 @@ def wandb_init_kwargs(logger) -> dict:
 def wandb_run_created(logger) -> bool:
     """Whether Lightning's WandbLogger has created its W&B run yet (`WandbLogger._experiment`)."""
     return logger._experiment is not None
+
+
+class _DropLightningTips(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(LIGHTNING_TIP_PREFIX)
+
+
+def quiet_library_notices() -> None:
+    """Silence exactly two library notices at their source's logger/module, nothing else: Lightning's
+    hosted-service tips and its pytree helper's torch deprecation warning (see the constants)."""
+    tip_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _DropLightningTips) for f in tip_logger.filters):
+        tip_logger.addFilter(_DropLightningTips())
+    warnings.filterwarnings("ignore", message=LIGHTNING_PYTREE_DEPRECATION,
+                            module="lightning.pytorch.utilities._pytree")

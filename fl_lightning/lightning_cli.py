@@ -50,6 +50,7 @@ from fl_lightning.checkpointing import (
     AtomicCheckpointIO,
     RoundCheckpoint,
     check_compatible,
+    completed_rounds,
     load_checkpoint_file,
     verify_client_state_files,
 )
@@ -57,7 +58,7 @@ from fl_lightning.config_files import layered_config_args, run_name_from_configs
 from fl_lightning.data.datamodule import FederatedDataModule, clients_per_round
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import FederatedCallback, federation_of
-from fl_lightning.loggers import describe_wandb_run
+from fl_lightning.loggers import FLWandbLogger, describe_wandb_run
 from fl_lightning.methods import FederatedMethod
 from fl_lightning.outcome import (
     EXIT_LOST,
@@ -86,6 +87,7 @@ def _raise_interrupted(signum, frame) -> None:
 class FLCLI(LightningCLI):
     active: FLCLI | None = None  # the CLI of the current main() call, for the interrupted message
     run_dir: RunDirectory | None = None
+    checkpoint_rounds = 0  # rounds the --ckpt_path checkpoint holds
     round_checkpoint: RoundCheckpoint | None = None
 
     def __init__(self, *args, **kwargs):
@@ -141,6 +143,7 @@ class FLCLI(LightningCLI):
         state = load_checkpoint_file(ckpt)
         check_compatible(ckpt, state, cfg["model"], cfg["data"])
         verify_client_state_files(ckpt, state)
+        self.checkpoint_rounds = completed_rounds(state)
 
     def before_instantiate_classes(self) -> None:
         cfg = self._subcommand_config()
@@ -156,6 +159,8 @@ class FLCLI(LightningCLI):
         init = getattr(logger, "init_args", None)
         if init is not None and "save_dir" in init and init.save_dir is None:
             init.save_dir = root
+        if init is not None and self.subcommand != "fit":
+            post_run_wandb_run(init, self.subcommand, root)
         strategy = trainer.get("strategy")
         federation = cfg.get("federation") or {}
         if isinstance(strategy, str) and federation.get("parallel", "clients") == "clients":
@@ -167,11 +172,8 @@ class FLCLI(LightningCLI):
             # checked here, once, rather than by every launched process (HeteroMethod.setup)
             raise FLUserError("model-heterogeneous methods split over processes by client, not by batch: "
                               "set --federation.parallel clients (or --trainer.devices 1)")
-        overwrite = bool(cfg.get("overwrite"))
+        self._overwrite = bool(cfg.get("overwrite"))
         cfg["overwrite"] = False  # not saved into config.yaml: re-running that file must not wipe this run
-        if self.subcommand == "fit" and is_first_process():
-            self.run_dir = RunDirectory(root)
-            self.run_dir.prepare_fit(resuming=bool(cfg.get("ckpt_path")), overwrite=overwrite)
 
     @staticmethod
     def _check_client_parallelism(cfg) -> None:
@@ -187,16 +189,50 @@ class FLCLI(LightningCLI):
 
     def before_fit(self) -> None:
         # Load and partition the data before the run starts, so a missing file or an impossible
-        # partition fails in seconds, before a logger run is created.
+        # partition fails in seconds, before the run directory is claimed or a logger run created.
         self.datamodule.setup("fit")
+        if self.subcommand == "fit" and is_first_process():
+            self.run_dir = RunDirectory(self._run_root)
+            self.run_dir.prepare_fit(resuming=bool(self._subcommand_config().get("ckpt_path")),
+                                     overwrite=self._overwrite)
         describe_wandb_run(self.trainer.loggers, self.config.get(self.subcommand, self.config))
 
-    before_validate = before_test = before_analyze = before_fit
+    def before_validate(self) -> None:
+        self.before_fit()
+        for logger in self.trainer.loggers:
+            if isinstance(logger, FLWandbLogger):
+                logger.checkpoint_round = self.checkpoint_rounds
+
+    before_test = before_analyze = before_validate
 
     def after_fit(self) -> None:
+        where = self._results_line() if self.subcommand == "fit" and self.trainer.is_global_zero else None
         finish_wandb(exit_code=self.exit_code())
+        if where:
+            print(where)
 
-    after_validate = after_test = after_analyze = after_fit
+    def _results_line(self) -> str:
+        """Where the fit's results are, and how to upload an offline W&B run."""
+        line = f"run directory {self._run_root}: metrics.csv, clients.csv, summary.json, checkpoints/last.ckpt"
+        wandb = sys.modules.get("wandb")
+        run = wandb.run if wandb is not None else None
+        if run is not None and run.settings.mode in ("offline", "dryrun"):
+            line += f"; upload to W&B with: wandb sync {Path(run.dir).parent}"
+        return line
+
+    def after_validate(self) -> None:
+        """One line that says which round the numbers are of (the checkpoint's, not Lightning's
+        epoch counter, which starts at 0 when a checkpoint is only evaluated)."""
+        key = getattr(self.model, "accuracy_key", "global/test_acc")
+        metrics = self.trainer.callback_metrics
+        if key in metrics and self.trainer.is_global_zero:
+            loss = metrics.get(key.replace("_acc", "_loss"))
+            rounds = self.checkpoint_rounds
+            line = f"{self.subcommand} of the round-{rounds} checkpoint: {key} {float(metrics[key]):.4f}"
+            print(line + (f", loss {float(loss):.4f}" if loss is not None else ""))
+        self.after_fit()
+
+    after_test = after_analyze = after_validate
 
     def exit_code(self) -> int:
         """0, or 3 when a decision (divergence, collapse with on_collapse stop) stopped the run."""
@@ -220,6 +256,8 @@ class FLCLI(LightningCLI):
             callbacks.append(self.round_checkpoint)
         callbacks.append(ResultsCallback(self._run_root))
         callbacks.append(LostProcessWatchdog())
+        if self.subcommand != "fit":
+            self.save_config_callback = None  # config.yaml is the fit's: validate/test/analyze leave it alone
         trainer = super()._instantiate_trainer(config, callbacks)
         trainer.strategy.checkpoint_io = AtomicCheckpointIO(self.round_checkpoint)
         federation = federation_of(trainer)
@@ -291,6 +329,28 @@ def name_run_from_configs(cfg) -> None:
     init = getattr(trainer.get("logger"), "init_args", None)
     if init is not None and "name" in init and not init.name:
         init.name = name
+    if init is not None and "group" in init and not init.group:
+        # recorded in config.yaml, so a resume or a post-run command from that file (whose own
+        # name says nothing of the experiment) lands in the same W&B group
+        init.group = name
+
+
+def post_run_wandb_run(init, command: str, root: str) -> None:
+    """validate, test and analyze log into a W&B run of their own: job_type the command, in the
+    fit's group, named `<fit's name>/<command>`, and kept under `<run dir>/posthoc/` so that the
+    fit's W&B files and its `latest-run` link stay as the fit left them. Never the fit's id: an
+    offline run cannot be resumed from another process, and a reused id would overwrite it."""
+    if "save_dir" in init and (init.save_dir is None or Path(init.save_dir) == Path(root)):
+        init.save_dir = str(Path(root) / "posthoc")
+    for key in ("id", "version"):
+        if key in init:
+            init[key] = None
+    if "job_type" in init and not init.job_type:
+        init.job_type = command
+    if "group" in init and not init.group and init.get("name"):
+        init.group = init.name
+    if init.get("name"):
+        init.name = f"{init.name}/{command}"
 
 
 def _heterogeneous(cfg) -> bool:
@@ -480,7 +540,7 @@ def build_cli(args: list[str] | None, run: bool = True, cli_class: type[FLCLI] |
         trainer_defaults=TRAINER_DEFAULTS,
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,
-        parser_kwargs={"default_env": False, "exit_on_error": False},
+        parser_kwargs={"default_env": False, "exit_on_error": False, "allow_abbrev": False},
         run=run,
         args=args,
     )
@@ -490,12 +550,16 @@ def main(args: list[str] | None = None) -> None:
     """fit, validate, test or analyze `args` (default: the command line), ending in the run's exit
     code with at most one `error:` line."""
     os.environ.setdefault("WANDB_SILENT", "true")
+    compat.quiet_library_notices()
     previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
     FLCLI.active = None
     first = is_first_process()  # rank 0 says what happened; the other ranks exit with the same code
+    in_process = args is not None
     try:
-        args = layered_config_args(sys.argv[1:] if args is None else list(args))
-        cli = build_cli(args)
+        args = layered_config_args(list(args) if in_process else sys.argv[1:])
+        if not in_process:
+            sys.argv[1:] = args  # LightningCLI reads the command line itself (and warns if also given args)
+        cli = build_cli(args if in_process else None)
         code, line = cli.exit_code(), cli.stop_line()
     except FLInterrupted as err:
         code, line = _after_interrupt(err)
@@ -510,7 +574,7 @@ def main(args: list[str] | None = None) -> None:
     finally:
         if FLCLI.active is not None and FLCLI.active.run_dir is not None:
             FLCLI.active.run_dir.unlock()
-        if args is not None:  # called in-process (tests, sweeps): leave the caller's handlers as they were
+        if in_process:  # called in-process (tests, sweeps): leave the caller's handlers as they were
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
     if line and (first or _parent_gone()):

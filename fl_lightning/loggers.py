@@ -41,9 +41,13 @@ class FLWandbLogger(WandbLogger):
         if offline is None:
             mode = os.environ.get("WANDB_MODE", "")
             offline = mode in ("offline", "dryrun", "disabled") or not wandb_logged_in()
-        Path(save_dir).mkdir(parents=True, exist_ok=True)
         super().__init__(offline=offline, project=project, save_dir=save_dir, **kwargs)
+        if compat.wandb_init_kwargs(self).get("anonymous") is None:
+            # Lightning passes anonymous=None, which W&B (>= 0.19) warns about at every start
+            compat.wandb_init_kwargs(self).pop("anonymous", None)
         self._resolved_config: dict[str, Any] | None = None
+        # validate/test/analyze of a checkpoint: the round it holds (Lightning's epoch is 0 there)
+        self.checkpoint_round: int | None = None
 
     def describe_run(self, config: Mapping[str, Any], group: str | None, tags: list[str]) -> None:
         """The run's W&B config, group and tags; called by the CLI before the run is created (W&B
@@ -58,6 +62,8 @@ class FLWandbLogger(WandbLogger):
     @property
     def experiment(self):
         created = not compat.wandb_run_created(self)
+        if created:  # created here, not at construction: a start that fails leaves no directory
+            Path(self.save_dir).mkdir(parents=True, exist_ok=True)
         run = super().experiment
         if created and getattr(run, "define_metric", None) is not None:
             # x-axis of every metric: the round (1-based), present in every logged row (log_metrics)
@@ -67,7 +73,9 @@ class FLWandbLogger(WandbLogger):
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         # Lightning adds the 0-based `epoch` to every row; one epoch is one round
-        if "epoch" in metrics:
+        if self.checkpoint_round is not None:
+            metrics = {**metrics, "round": float(self.checkpoint_round)}
+        elif "epoch" in metrics:
             metrics = {**metrics, "round": float(metrics["epoch"]) + 1}
         super().log_metrics(metrics, step)
 

@@ -49,12 +49,16 @@ class FLTrainer(Trainer):
         self.local_gradient_clip_val = float(gradient_clip_val or 0.0)
         self.local_gradient_clip_algorithm = algorithm
 
-    def analyze(self, model, datamodule=None, ckpt_path: str | None = None, verbose: bool = True):
-        """Hessian spectrum and loss surface of a saved checkpoint (needs --ckpt_path).
+    def analyze(self, model, datamodule=None, ckpt_path: str | None = None, verbose: bool = True,
+                weights_only: bool | None = None):
+        """Hessian spectrum and loss surface of a saved checkpoint (needs --ckpt_path), written to
+        `<run dir>/analysis/posthoc_round_XXX/`, beside (never over) what the fit wrote.
 
         Args:
             ckpt_path: the checkpoint to analyse (e.g. <run dir>/checkpoints/last.ckpt, or "last").
             verbose: print the validation results.
+            weights_only: as for validate and test (a fit's own config.yaml records it, so analyze
+                must accept it too).
         """
         if not ckpt_path:
             raise FLUserError("analyze needs --ckpt_path <checkpoint>, e.g. runs/x/checkpoints/last.ckpt")
@@ -63,4 +67,5 @@ class FLTrainer(Trainer):
             raise RuntimeError("analyze needs the AnalysisCallback (the CLI adds it as --analysis)")
         callback.forced = True
         callback.checkpoint_round = completed_rounds(load_checkpoint_file(ckpt_path))
-        return self.validate(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=verbose)
+        return self.validate(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=verbose,
+                             weights_only=weights_only)

@@ -90,10 +90,11 @@ def test_analyze_a_checkpoint_gives_the_same_numbers(fitted, tmp_path):
     code = run(["analyze", *SMALL, *ANALYSIS, "--trainer.default_root_dir", str(root),
                 "--ckpt_path", str(fitted / "checkpoints" / "last.ckpt")])
     assert code == 0
-    again = json.loads((root / "analysis" / "round_002" / "analysis.json").read_text())["spectrum"]
+    assert not (root / "analysis" / "round_002").exists()  # a post-hoc analysis has its own folder
+    again = json.loads((root / "analysis" / "posthoc_round_002" / "analysis.json").read_text())["spectrum"]
     for key in ("lambda_1", "lambda_5", "lambda_min", "trace", "subset_loss"):
         assert again[key] == pytest.approx(fit_numbers[key], rel=1e-5), key
-    assert (root / "analysis" / "round_002" / "surface_loss.png").exists()
+    assert (root / "analysis" / "posthoc_round_002" / "surface_loss.png").exists()
 
 
 @pytest.mark.parametrize("extra, message", [

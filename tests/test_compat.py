@@ -118,3 +118,29 @@ def test_wandb_init_kwargs_reach_the_run_and_the_run_is_created_lazily(tmp_path,
         import wandb
 
         wandb.finish()
+
+
+def test_quiet_library_notices_drop_lightnings_tips_and_its_pytree_deprecation_only(caplog):
+    import logging
+    import warnings
+
+    from lightning.pytorch.utilities._pytree import _tree_flatten
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    with warnings.catch_warnings(record=True) as caught:  # still needed: Lightning still warns
+        warnings.simplefilter("always")
+        _tree_flatten({"a": [1, 2]})
+    assert any("LeafSpec" in str(w.message) for w in caught)
+
+    compat.quiet_library_notices()
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
+        rank_zero_info(compat.LIGHTNING_TIP_PREFIX + " try our cloud")
+        rank_zero_info("Seed set to 0")
+    messages = [r.getMessage() for r in caplog.records]
+    assert "Seed set to 0" in messages and not any("cloud" in m for m in messages)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compat.quiet_library_notices()
+        warnings.warn("something else", UserWarning, stacklevel=1)
+        _tree_flatten({"a": [1, 2]})
+    assert [str(w.message) for w in caught] == ["something else"]

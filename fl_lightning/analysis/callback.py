@@ -356,7 +356,9 @@ class AnalysisCallback(L.Callback):
     def write_files(self, trainer, round_no: int, scalars: dict[str, float], files: dict[str, Any]) -> None:
         if not trainer.is_global_zero:
             return
-        out = Path(trainer.default_root_dir) / "analysis" / f"round_{round_no:03d}"
+        # `fl-lightning analyze` writes beside the fit's round folder, never over it
+        folder = f"posthoc_round_{round_no:03d}" if self.forced else f"round_{round_no:03d}"
+        out = Path(trainer.default_root_dir) / "analysis" / folder
         out.mkdir(parents=True, exist_ok=True)
         numbers = {k: v for k, v in files.items() if not k.endswith(".png")}
         (out / "analysis.json").write_text(json.dumps({"round": round_no, "scalars": scalars, **numbers}, indent=1))

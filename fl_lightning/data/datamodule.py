@@ -347,6 +347,11 @@ class FederatedDataModule(L.LightningDataModule):
         )
         return RoundPlan(round_idx, work)
 
+    def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
+        if isinstance(batch, ClientWork):  # indices only; its mini-batches are made on the device
+            return batch
+        return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
     def train_dataloader(self) -> DataLoader:
         """One item per sampled client; `training_step` runs the client's local training. When
         the round's clients train in parallel (parallel.py), each rank gets its share, balanced

@@ -465,7 +465,15 @@ def load_dataset(name: str, root: str | Path | None = None, download: bool = Tru
                  augment: bool = True) -> tuple[LabelledDataset, LabelledDataset]:
     """Returns (train, test). `seed` only matters for the offline sets, whose test split we draw."""
     entry = entry_of(name)
-    return entry.load(DataRequest(Path(root) if root is not None else default_root(), download, seed, augment))
+    root = Path(root) if root is not None else default_root()
+    existed = root.exists()
+    try:
+        return entry.load(DataRequest(root, download, seed, augment))
+    except Exception:
+        # a failed download leaves the data root it created empty: a failed start leaves nothing
+        if not existed and root.is_dir() and not any(root.iterdir()):
+            root.rmdir()
+        raise
 
 
 # ---- the built-in datasets ----------------------------------------------------------------------

@@ -332,11 +332,6 @@ class FederatedMethod(L.LightningModule):
         for batch in self.trainer.datamodule.minibatches(work):
             self.minibatch_step(convert(batch))
 
-    def transfer_batch_to_device(self, batch, device, dataloader_idx: int):
-        if isinstance(batch, ClientWork):  # indices only; its mini-batches are made on the device
-            return batch
-        return super().transfer_batch_to_device(batch, device, dataloader_idx)
-
     def minibatch_step(self, batch) -> torch.Tensor | None:
         """One local step on one mini-batch (x, y); methods with their own step override this."""
         loss = self.loss(self.model, batch, self.loss_context())

@@ -1,0 +1,138 @@
+"""What a researcher does after a fit, as the README tells it: `analyze`, `validate` and `test` on
+the run's own config.yaml and checkpoint leave every file of the fit as it was, write beside it,
+log into W&B runs of their own in the fit's group, and speak of the checkpoint's round. Also the
+start of a run as a user meets it on a terminal: typos refused, a failed start leaves nothing
+behind, a progress bar under a pseudo-terminal, no library noise, and where the results are."""
+
+import hashlib
+import json
+import os
+import pty
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_cli import REPO, SMALL, run
+from test_outcomes import env
+
+from fl_lightning.loggers import offline_records
+
+ANALYSIS = ["--analysis.every_n_rounds", "2", "--analysis.samples", "200", "--analysis.surface_points", "3",
+            "--analysis.max_hvps", "12", "--analysis.layer_hvps", "3", "--analysis.top_k", "2"]
+
+
+def fit_files(root: Path) -> dict[str, str]:
+    """Digest of every file the fit wrote (W&B's own files included), and where W&B's links point."""
+    out = {}
+    for path in sorted(root.rglob("*")):
+        rel = path.relative_to(root)
+        if rel.parts[0] == "posthoc" or (len(rel.parts) > 1 and rel.parts[1].startswith("posthoc_")):
+            continue  # what the post-run commands add beside the fit
+        if path.is_symlink():
+            out[str(rel)] = "-> " + os.readlink(path)
+        elif path.is_file() and path.name != ".fl-lightning.lock":
+            out[str(rel)] = hashlib.blake2b(path.read_bytes()).hexdigest()
+    return out
+
+
+@pytest.fixture(scope="module")
+def fitted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("after") / "runs" / "mnist5k" / "fedsol"
+    assert run(["fit", *SMALL, *ANALYSIS, "--trainer.max_epochs", "2", "--trainer.default_root_dir", str(root)]) == 0
+    return root
+
+
+def wandb_run_of(directory: Path):
+    """The run record and history rows of the W&B offline run in `directory` (an offline-run-* folder)."""
+    files = sorted(directory.glob("run-*.wandb"))
+    assert files, f"no W&B run in {directory}"
+    records = list(offline_records(files[-1]))
+    run_record = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    rows = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            for r in records if r.WhichOneof("record_type") == "history"]
+    return run_record, rows
+
+
+def test_analyze_validate_and_test_on_the_runs_own_config_leave_the_fit_alone(fitted, capsys):
+    before = fit_files(fitted)
+    assert "config.yaml" in before and "analysis/round_002/analysis.json" in before
+    config, ckpt = str(fitted / "config.yaml"), str(fitted / "checkpoints" / "last.ckpt")
+    fit_run, _ = wandb_run_of(next((fitted / "wandb").glob("offline-run-*")))
+    capsys.readouterr()
+    for command in ("analyze", "validate", "test"):
+        assert run([command, "--config", config, "--ckpt_path", ckpt]) == 0, command
+        out = capsys.readouterr().out
+        # the checkpoint's round (Lightning's epoch counter says round 1 when only evaluating)
+        assert f"{command} of the round-2 checkpoint: global/test_acc" in out, out
+        assert fit_files(fitted) == before, command  # config.yaml, metrics, analysis, W&B files, links
+    fit_spectrum = json.loads((fitted / "analysis" / "round_002" / "analysis.json").read_text())["spectrum"]
+    posthoc = json.loads((fitted / "analysis" / "posthoc_round_002" / "analysis.json").read_text())["spectrum"]
+    for key in ("lambda_1", "lambda_2", "lambda_min", "subset_loss"):
+        assert posthoc[key] == pytest.approx(fit_spectrum[key], rel=1e-5), key
+    # each command is a W&B run of its own, in the fit's group, at the checkpoint's round
+    runs = sorted((fitted / "posthoc" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 3
+    seen = set()
+    for path in runs:
+        record, rows = wandb_run_of(path)
+        seen.add(record.job_type)
+        assert record.run_group == fit_run.run_group == "mnist5k/fedsol"
+        assert record.display_name == f"mnist5k/fedsol/{record.job_type}"
+        assert record.run_id != fit_run.run_id
+        assert rows and all(row["round"] == 2 for row in rows), rows
+    assert seen == {"analyze", "validate", "test"}
+
+
+def test_an_abbreviated_option_is_refused_with_the_full_name(tmp_path, capsys):
+    code = run(["fit", *SMALL, "--data.num_client", "10", "--trainer.default_root_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("error: unknown option --data.num_client;") and "data.num_clients" in err[-1]
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_failed_start_leaves_nothing_and_names_the_data_first(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    missing = ["--data.dataset", "cifar10", "--data.root", str(tmp_path / "data"), "--model.init_args.model", "mlp"]
+    code = run(["fit", *SMALL, *missing, "--trainer.default_root_dir", str(tmp_path / "new")])
+    assert code == 2 and "cifar10" in capsys.readouterr().err.strip().splitlines()[-1]
+    assert not (tmp_path / "new").exists() and not (tmp_path / "data").exists()
+    # a directory that holds a run: the data's problem is the one to fix first
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "summary.json").write_text("{}")
+    code = run(["fit", *SMALL, *missing, "--trainer.default_root_dir", str(held)])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and "cifar10" in line and "already holds a run" not in line
+    assert sorted(p.name for p in held.iterdir()) == ["summary.json"]
+
+
+def test_a_fit_on_a_terminal_shows_rounds_no_library_noise_and_where_the_results_are(tmp_path):
+    """Under a pseudo-terminal that reports a 0 x 0 size (as `script` and job runners give one)."""
+    root = tmp_path / "run"
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "fl_lightning.cli", "fit", *SMALL, "--trainer.max_epochs", "2",
+                             "--trainer.default_root_dir", str(root)],
+                            env={k: v for k, v in env().items() if k != "WANDB_SILENT"},
+                            stdout=slave, stderr=slave, cwd=REPO)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(master)
+    assert proc.wait(timeout=300) == 0
+    text = b"".join(chunks).decode(errors="replace")
+    assert "Round 2/2: 100%" in text, text[-2000:]
+    for noise in ("Tip:", "anonymous", "weights_only", "LeafSpec", "transfer_batch_to_device",
+                  "LightningCLI's args", "Warning", "warn"):
+        assert noise not in text, noise
+    last = [line for line in text.replace("\r", "\n").splitlines() if line.strip()][-1]
+    assert last.startswith(f"run directory {root}: metrics.csv"), last
+    assert "wandb sync " + str(root / "wandb" / "offline-run-") in last
