@@ -40,6 +40,11 @@ def main(args: list[str] | None = None) -> None:
     if argv[0] in ("-h", "--help"):
         print(HELP, end="")
         return
+    if argv[0] == "_warm_worker":  # a local sweep's worker process (fl_lightning/warm.py), not for users
+        from fl_lightning.warm import serve
+
+        serve()
+        return
     if argv[0] in TOOLS:
         sys.exit(_run_tool(argv[0], argv[1:]))
     if os.environ.get("WANDB_SWEEP_ID"):  # launched by a W&B sweep agent: a directory per run

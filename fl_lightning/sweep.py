@@ -46,6 +46,7 @@ import yaml
 from fl_lightning.atomic import atomic_write_bytes
 from fl_lightning.errors import FLUserError, OneLineArgumentParser
 from fl_lightning.outcome import read_outcome
+from fl_lightning.warm import WarmWorker
 
 SEARCH_METHODS = ("grid", "random", "bayes")
 # Option keys that make runs of one experiment differ only by their seed (`report` groups over them).
@@ -452,14 +453,12 @@ def worker_envs(workers: int, gpus: list[str] | None, cores: int) -> list[dict[s
 
 
 class LocalSweep:
-    def __init__(self, spec: Spec, runs: list[PlannedRun], root: Path, envs: list[dict[str, str]],
-                 program: list[str] | None = None):
+    def __init__(self, spec: Spec, runs: list[PlannedRun], root: Path, envs: list[dict[str, str]]):
         self.spec, self.runs, self.envs = spec, runs, envs
         self.sweep_dir = root / spec.name
         self.meta = self.sweep_dir / ".sweep"
-        self.program = program or [sys.executable, "-m", "fl_lightning.cli"]
         self.lock = threading.Lock()
-        self.procs: dict[int, subprocess.Popen] = {}
+        self.procs: dict[int, int] = {}  # worker -> pid of the run it is running
         self.stopping = False
         self.outcomes: dict[str, str] = {}
 
@@ -491,6 +490,15 @@ class LocalSweep:
             print(text, flush=True)
 
     def _work(self, worker: int, todo: queue.Queue) -> None:
+        env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_RUN_GROUP": self.spec.name,
+               **self.envs[worker]}
+        warm = WarmWorker(env)  # pays the imports once; each run is a process forked from it
+        try:
+            self._work_with(worker, todo, warm)
+        finally:
+            warm.close()
+
+    def _work_with(self, worker: int, todo: queue.Queue, warm: WarmWorker) -> None:
         while not self.stopping:
             try:
                 run = todo.get_nowait()
@@ -505,16 +513,16 @@ class LocalSweep:
             self.write_record(run, command=["fl-lightning", *args], status="running", attempts=attempts,
                               worker=worker, started=time.time(), exit_code=None, error=None)
             self._say(f"[worker {worker}] {'resume' if state == 'resume' else 'start'} {run.name}")
-            env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_RUN_GROUP": self.spec.name,
-                   **self.envs[worker]}
             began = time.time()
             with open(log, "a") as out:
                 out.write(f"$ {shlex.join(['fl-lightning', *args])}\n")
-                out.flush()
-                proc = subprocess.Popen([*self.program, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
+            pid = warm.start(args, str(log))
+            if pid is None:
+                code = 1
+            else:
                 with self.lock:
-                    self.procs[worker] = proc
-                code = proc.wait()
+                    self.procs[worker] = pid
+                code = warm.wait()
                 with self.lock:
                     self.procs.pop(worker, None)
             if self.stopping:
@@ -572,16 +580,25 @@ class LocalSweep:
         """Stop the running fits (each checkpoints per round, so nothing finished is lost)."""
         self.stopping = True
         with self.lock:
-            procs = list(self.procs.values())
-        for proc in procs:
+            pids = list(self.procs.values())
+        for pid in pids:
             with contextlib.suppress(OSError):
-                proc.send_signal(signal.SIGINT)
+                os.kill(pid, signal.SIGINT)
         deadline = time.time() + 20
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        while time.time() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.1)
+        for pid in filter(_alive, pids):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """A run forked by a warm worker (not this process's child: its worker reaps it at once)."""
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
 
 
 def _raise_interrupt(signum, frame):

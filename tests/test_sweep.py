@@ -301,12 +301,15 @@ def test_killed_sweep_restarts_skipping_finished_runs_and_resuming_the_others(tm
     record = json.loads((sweep_dir / ".sweep" / f"{long_.name}.json").read_text())
     assert record["attempts"] == 2 and "--ckpt_path=last" in record["command"]
 
-    # The resumed run equals an uninterrupted run of the same command.
+    # The resumed run, forked by a warm worker, equals an uninterrupted run of the same command
+    # started on its own, in the same environment (the worker's thread count: a different one may
+    # sum in another order).
     straight = tmp_path / "straight"
     command = [a for a in record["command"][1:] if not a.startswith(("--ckpt_path", "--trainer.default_root_dir"))]
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     done = subprocess.run([sys.executable, "-m", "fl_lightning.cli", *command,
-                           f"--trainer.default_root_dir={straight}"], cwd=REPO, env=env(), capture_output=True,
-                          text=True, timeout=600)
+                           f"--trainer.default_root_dir={straight}"], cwd=REPO,
+                          env={**env(), **sweep.worker_envs(1, None, cores)[0]}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     a = torch.load(long_ / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
     b = torch.load(straight / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
