@@ -17,19 +17,33 @@ the signal that killed it). End of input ends the worker.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import importlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import traceback
+import weakref
 
 COMMAND = "_warm_worker"
+
+
+# What a run imports only once it runs (W&B's run start, the offline datasets' loaders, the
+# analysis pictures): imported here too, so that no run pays them. None of them starts a thread or
+# draws a number at import; what they own (W&B's temporary media directory) stays the worker's
+# (see _run_child).
+LATE_IMPORTS = ("wandb", "wandb.sdk.launch", "sklearn.datasets", "mlxtend.data", "matplotlib.pyplot")
 
 
 def serve() -> None:
     """The worker's loop (runs in the warm process)."""
     import fl_lightning.lightning_cli as cli  # the start-up every run would otherwise pay
+
+    for name in LATE_IMPORTS:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
 
     # Ctrl-C reaches the whole foreground group: the runs handle it (clean stop, checkpoint kept);
     # the idle worker must outlive it so the sweep can collect their exit codes.
@@ -55,6 +69,16 @@ def _run_child(cli, args: list[str], log: str) -> None:
     """In the forked child: become `fl-lightning <args>` with output to `log`, then exit."""
     code = 1
     try:
+        # What the worker created at import (W&B's media directory, removed by an atexit function
+        # and a finalizer) is the worker's: the run's exit must clean up what the run created and
+        # nothing under the next run. So the run starts with no exit function or finalizer of the
+        # worker's (atexit._clear, weakref.finalize._registry: CPython's, stable since 3.4), and
+        # its own finalizers still run at its exit.
+        atexit._clear()
+        for finalizer in list(weakref.finalize._registry):
+            finalizer.detach()
+        if weakref.finalize._registered_with_atexit:
+            atexit.register(weakref.finalize._exitfunc)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(out, 1)
