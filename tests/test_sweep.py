@@ -309,7 +309,8 @@ def test_killed_sweep_restarts_skipping_finished_runs_and_resuming_the_others(tm
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     done = subprocess.run([sys.executable, "-m", "fl_lightning.cli", *command,
                            f"--trainer.default_root_dir={straight}"], cwd=REPO,
-                          env={**env(), **sweep.worker_envs(1, None, cores)[0]}, capture_output=True, text=True, timeout=600)
+                          env={**env(), **sweep.worker_envs(1, None, cores)[0]}, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     a = torch.load(long_ / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
     b = torch.load(straight / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
