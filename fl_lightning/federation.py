@@ -148,6 +148,10 @@ class FederatedCallback(L.Callback):
 
     # ---- set-up -------------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
+        # The module in the precision's dtype before a checkpoint is restored into it: Lightning
+        # restores first and converts later, so a float64 (64-true) checkpoint would be rounded
+        # through float32 parameters and buffers on every resume, validate and test.
+        trainer.precision_plugin.convert_module(pl_module)
         # Per-client state files go next to the checkpoints (so a checkpoint only names them):
         # into the run's checkpoint folder, or beside the checkpoint being evaluated (validate,
         # test), or, for a bounded cache without checkpoints, into the run directory. Set before a

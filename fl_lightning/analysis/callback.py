@@ -214,7 +214,7 @@ class AnalysisCallback(L.Callback):
             n = len(dataset)
             idx = np.sort(np.random.default_rng(self.seed).choice(n, min(self.samples, n), replace=False))
             self._train_subset = _stack(dataset, idx)
-        return tuple(t.to(device) for t in self._train_subset)
+        return _on_device(trainer, self._train_subset, device)
 
     def test_subset(self, trainer, device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._test_subset is None:
@@ -229,7 +229,7 @@ class AnalysisCallback(L.Callback):
                 self._test_subset = tuple(torch.cat(parts) for parts in zip(*dataset.batches, strict=True))
             else:
                 self._test_subset = _stack(dataset, np.arange(len(dataset)))
-        return tuple(t.to(device) for t in self._test_subset)
+        return _on_device(trainer, self._test_subset, device)
 
     # ---- the every-round statistics -----------------------------------------------------------
     @torch.no_grad()
@@ -404,6 +404,13 @@ class AnalysisCallback(L.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._table_rows = list(state_dict.get("table_rows", []))
+
+
+def _on_device(trainer, subset: tuple[torch.Tensor, torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) on the device, x converted as the precision plugin converts training inputs (float64
+    under --trainer.precision 64-true, bfloat16 under bf16-true)."""
+    x, y = subset
+    return trainer.precision_plugin.convert_input(x.to(device)), y.to(device)
 
 
 def _stack(dataset, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
