@@ -17,7 +17,9 @@ for the matching rows and our difference to them.
 from __future__ import annotations
 
 import csv
+import io
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,8 +27,10 @@ from typing import Any
 import numpy as np
 import yaml
 
+from fl_lightning.atomic import atomic_write_bytes
 from fl_lightning.errors import FLUserError, OneLineArgumentParser
-from fl_lightning.sweep import SEED_KEYS, display_value, read_json, short_keys
+from fl_lightning.outcome import read_outcome
+from fl_lightning.sweep import FINAL_STATES, SEED_KEYS, display_value, read_json, read_record, short_keys
 
 # Options that name where and how a run is stored, not what it computes.
 BOOKKEEPING_KEYS = ("ckpt_path", "overwrite", "trainer.default_root_dir", "trainer.logger.init_args.name",
@@ -45,13 +49,11 @@ class Run:
 
     @property
     def status(self) -> str:
-        s = self.summary or {}
-        if s.get("diverged"):
-            return "diverged"
-        if s.get("finished"):
-            return "failed" if s.get("failed") else "finished"
-        if s.get("failed") and (self.record or {}).get("exit_code") == 3:
-            return "failed"  # stopped by on_collapse: stop
+        """The run's outcome as `outcome.read_outcome` reads it (finished, failed, diverged, ...);
+        "crashed" for a sweep run whose process failed without a final outcome, else "unfinished"."""
+        outcome = read_outcome(self.path)
+        if outcome is not None and outcome.final:
+            return outcome.value
         if (self.record or {}).get("status") == "crashed":
             return "crashed"
         return "unfinished"
@@ -63,7 +65,7 @@ class Row:
     runs: list[Run] = field(default_factory=list)
 
     def done(self) -> list[Run]:
-        return [r for r in self.runs if r.status in ("finished", "failed", "diverged")]
+        return [r for r in self.runs if r.status in FINAL_STATES]
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -75,34 +77,62 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: tree}
 
 
-def collect(sweep_dir: Path) -> list[Run]:
-    """Every run directory under `sweep_dir`, and runs the sweep recorded that never made one."""
-    meta = sweep_dir / ".sweep"
-    records = {p.stem: read_json(p) for p in sorted(meta.glob("*.json"))} if meta.is_dir() else {}
-    names = sorted({p.name for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith(".")
-                    and ((p / "summary.json").exists() or (p / "config.yaml").exists())} | set(records))
-    configs = {}
-    for name in names:
-        cfg = sweep_dir / name / "config.yaml"
-        try:
-            configs[name] = flatten(yaml.safe_load(cfg.read_text()) or {}) if cfg.exists() else {}
-        except yaml.YAMLError:
-            configs[name] = {}
-    # Without sweep records: the options whose values differ between the runs label them.
+def _read_config(run_dir: Path) -> dict[str, Any]:
+    cfg = run_dir / "config.yaml"
+    try:
+        return flatten(yaml.safe_load(cfg.read_text()) or {}) if cfg.exists() else {}
+    except (yaml.YAMLError, OSError):
+        return {}
+
+
+def find_runs(top: Path) -> dict[Path, dict | None]:
+    """Every run below `top` at any depth (a directory with a summary.json), and every run a local
+    sweep recorded in a `.sweep/` folder below `top` that never made one, with its record."""
+    found: dict[Path, dict | None] = {}
+    for summary in sorted(top.rglob("summary.json")):
+        if not any(part.startswith(".") for part in summary.relative_to(top).parts[:-1]):
+            found[summary.parent] = None
+    for meta in sorted(top.rglob(".sweep")):
+        for path in sorted(meta.glob("*.json")):
+            found[meta.parent / path.stem] = read_record(path)
+    return found
+
+
+def collect(top: Path) -> list[Run]:
+    """The runs below `top`, each labelled by its method, the setting where runs of several
+    settings are mixed, and its sweep parameters (`.sweep/<run>.json`) or else the options whose
+    values differ between the runs' config.yaml files."""
+    found = find_runs(top)
+    configs = {path: _read_config(path) for path in found}
     keys = sorted({k for c in configs.values() for k in c})
-    varying = [k for k in keys if k not in BOOKKEEPING_KEYS
+    varying = [k for k in keys if k not in BOOKKEEPING_KEYS and k != "model.class_path"
                and len({repr(c.get(k)) for c in configs.values()}) > 1]
+    settings = {path: _setting(configs[path]) for path in found}
+    mixed_settings = len(set(settings.values())) > 1
     runs = []
-    for name in names:
-        record = records.get(name)
-        if record and isinstance(record.get("params"), dict):
-            params = record["params"]
-        else:
-            params = {k: configs[name].get(k) for k in varying}
-        runs.append(Run(name=name, path=sweep_dir / name, params=params,
-                        summary=read_json(sweep_dir / name / "summary.json"), record=record,
-                        order=(record or {}).get("index", math.inf)))
+    for path, record in found.items():
+        summary = read_json(path / "summary.json")
+        own = record["params"] if record and "params" in record else {k: configs[path].get(k) for k in varying}
+        method = (summary or {}).get("method") or _method(configs[path])
+        params = {} if "model.class_path" in own else {"method": method}  # a method column, always one
+        if mixed_settings:
+            params["setting"] = settings[path]
+        params.update(own)
+        name = str(path.relative_to(top)) if path != top else path.name
+        index = (record or {}).get("index")
+        runs.append(Run(name=name, path=path, params=params, summary=summary, record=record,
+                        order=index if isinstance(index, int) else math.inf))
     return sorted(runs, key=lambda r: (r.order, r.name))
+
+
+def _method(config: dict[str, Any]) -> str:
+    return str(config.get("model.class_path") or "").rpartition(".")[2] or "?"
+
+
+def _setting(config: dict[str, Any]) -> str:
+    """The setting a run's config names: its W&B group `<setting>/<method>` (recorded by fit)."""
+    group = config.get("trainer.logger.init_args.group")
+    return str(group).split("/")[0] if group else "?"
 
 
 def group(runs: list[Run]) -> list[Row]:
@@ -168,14 +198,15 @@ class Table:
     compare_rows: list[list[str]] = field(default_factory=list)
 
 
-def build(sweep_dir: Path, compare: dict | None = None) -> Table:
-    if not sweep_dir.is_dir():
-        raise FLUserError(f"report {sweep_dir}: no such directory")
-    runs = collect(sweep_dir)
-    done = [r for r in runs if r.status in ("finished", "failed", "diverged")]
+def build(top: Path, compare: dict | None = None) -> Table:
+    """The table of the runs below `top`: one row per method and parameter set, mean ± std over seeds."""
+    if not top.is_dir():
+        raise FLUserError(f"report {top}: no such directory")
+    runs = collect(top)
+    done = [r for r in runs if r.status in FINAL_STATES]
     if not done:
-        raise FLUserError(f"report {sweep_dir}: no finished runs (a run is finished when its summary.json says "
-                          f"\"finished\": true); {len(runs)} run director{'y' if len(runs) == 1 else 'ies'} found")
+        raise FLUserError(f"report {top}: no finished runs below it (a run is a directory whose summary.json records "
+                          f"its outcome); {len(runs)} run director{'y' if len(runs) == 1 else 'ies'} found")
     rows = [row for row in group(runs) if row.done()]
     label_keys = list(dict.fromkeys(k for row in rows for k in row.params))
     short = short_keys(label_keys)
@@ -186,39 +217,47 @@ def build(sweep_dir: Path, compare: dict | None = None) -> Table:
     metrics = ["final_acc", "best_acc", *personal, *extra]
     headers = [short[k] for k in label_keys] + ["final acc", "best acc", "seeds"]
     headers += [k.removesuffix("_acc_mean") for k in personal] + extra
-    table = Table(headers=headers, rows=[], csv_rows=[], notes=[])
-    pairs: dict[int, dict[str, tuple[float, float] | None]] = {}
-    for i, row in enumerate(rows):
-        labels = [display_value(row.params[k]) if k in row.params else "" for k in label_keys]
-        cells = {m: metric_cell(row, m) for m in metrics}
-        pairs[i] = {m: c[1] for m, c in cells.items()}
-        n = len(row.done())
-        table.rows.append([*labels, cells["final_acc"][0], cells["best_acc"][0], str(n),
-                           *(cells[m][0] for m in metrics[2:])])
-        out: dict[str, Any] = {short[k]: v for k, v in zip(label_keys, labels, strict=True)}
-        out.update(seeds=n, diverged=sum(r.status == "diverged" for r in row.done()),
-                   failed=sum(r.status == "failed" for r in row.done()))
-        for m in metrics:
-            out[f"{m}_mean"], out[f"{m}_std"] = _num(pairs[i][m], 0), _num(pairs[i][m], 1)
-        out["runs"] = " ".join(r.name for r in row.done())
-        table.csv_rows.append(out)
-    for run in runs:
-        if run.status in ("crashed", "unfinished"):
-            error = (run.record or {}).get("error")
-            table.notes.append(f"{run.name}: {run.status}" + (f": {error}" if error else ""))
+    table = Table(headers=headers, rows=[], csv_rows=[], notes=_notes(runs))
+    for row in rows:
+        _add_row(table, row, label_keys, short, metrics)
     if compare is not None:
-        table.compare_headers = ["paper entry", "metric", "ours", "paper", "ours − paper"]
-        for entry in compare.get("entries", []):
-            metric = entry.get("metric", compare.get("metric", "final_acc"))
-            label = ", ".join(f"{short.get(k, k)}={display_value(v)}" for k, v in (entry.get("match") or {}).items())
-            index = match_row(rows, entry)
-            if index is None:
-                ours_text, ours = "no finished run", None
-            else:
-                ours_text, ours = metric_cell(rows[index], metric)
-            diff = "—" if ours is None or entry.get("acc") is None else f"{ours[0] - float(entry['acc']):+.2f}"
-            table.compare_rows.append([label, metric, ours_text, published_text(entry), diff])
+        _add_comparison(table, rows, short, compare)
     return table
+
+
+def _add_row(table: Table, row: Row, label_keys: list[str], short: dict[str, str], metrics: list[str]) -> None:
+    labels = [display_value(row.params[k]) if k in row.params else "" for k in label_keys]
+    cells = {m: metric_cell(row, m) for m in metrics}
+    n = len(row.done())
+    table.rows.append([*labels, cells["final_acc"][0], cells["best_acc"][0], str(n),
+                       *(cells[m][0] for m in metrics[2:])])
+    out: dict[str, Any] = {short[k]: v for k, v in zip(label_keys, labels, strict=True)}
+    out.update(seeds=n, diverged=sum(r.status == "diverged" for r in row.done()),
+               failed=sum(r.status == "failed" for r in row.done()))
+    for m in metrics:
+        out[f"{m}_mean"], out[f"{m}_std"] = _num(cells[m][1], 0), _num(cells[m][1], 1)
+    out["runs"] = " ".join(r.name for r in row.done())
+    table.csv_rows.append(out)
+
+
+def _notes(runs: list[Run]) -> list[str]:
+    notes = []
+    for run in runs:
+        if run.status not in FINAL_STATES:
+            error = (run.record or {}).get("error")
+            notes.append(f"{run.name}: {run.status}" + (f": {error}" if error else ""))
+    return notes
+
+
+def _add_comparison(table: Table, rows: list[Row], short: dict[str, str], compare: dict) -> None:
+    table.compare_headers = ["paper entry", "metric", "ours", "paper", "ours − paper"]
+    for entry in compare.get("entries", []):
+        metric = entry.get("metric", compare.get("metric", "final_acc"))
+        label = ", ".join(f"{short.get(k, k)}={display_value(v)}" for k, v in (entry.get("match") or {}).items())
+        index = match_row(rows, entry)
+        ours_text, ours = ("no finished run", None) if index is None else metric_cell(rows[index], metric)
+        diff = "—" if ours is None or entry.get("acc") is None else f"{ours[0] - float(entry['acc']):+.2f}"
+        table.compare_rows.append([label, metric, ours_text, published_text(entry), diff])
 
 
 def _num(pair, i):
@@ -268,7 +307,7 @@ def markdown(headers: list[str], rows: list[list[str]]) -> str:
 
 def main(argv: list[str]) -> int:
     p = OneLineArgumentParser(prog="fl-lightning report", description=__doc__.split("\n\n")[0])
-    p.add_argument("sweep_dir", help="a sweep's directory, e.g. runs/<sweep>")
+    p.add_argument("sweep_dir", help="a directory of runs at any depth, e.g. runs, runs/<setting> or runs/<sweep>")
     p.add_argument("--compare", default=None, help="a paper table, configs/tables/<table>.yaml")
     p.add_argument("--csv", default=None, help="where to write the CSV (default: <sweep_dir>/report.csv)")
     opts = p.parse_args(argv)
@@ -283,9 +322,15 @@ def main(argv: list[str]) -> int:
         print(markdown(table.compare_headers, table.compare_rows))
     csv_path = Path(opts.csv) if opts.csv else sweep_dir / "report.csv"
     fields = list(dict.fromkeys(k for row in table.csv_rows for k in row))
-    with open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(table.csv_rows)
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=fields)
+    writer.writeheader()
+    writer.writerows(table.csv_rows)
+    try:
+        atomic_write_bytes(csv_path, text.getvalue().encode())
+    except OSError as err:  # a read-only or full disk: the table above stands; say so in one line
+        print(f"error: could not write {csv_path} ({err.strerror or err}); the table above is complete; "
+              f"give --csv <a writable path>", file=sys.stderr)
+        return 1
     print(f"\n(CSV: {csv_path})")
     return 0

@@ -387,6 +387,18 @@ def read_json(path: Path) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
+def read_record(path: Path) -> dict | None:
+    """A local sweep's record of one run (`.sweep/<run>.json`), the one reader of them: fields of
+    the wrong type count as absent, so a damaged record never stops a sweep or a report (the run
+    directory decides whether a run is done)."""
+    record = read_json(path)
+    if record is None:
+        return None
+    kinds = {"params": dict, "index": int, "status": str, "error": str, "exit_code": int, "attempts": int}
+    return {k: v for k, v in record.items()
+            if k not in kinds or (isinstance(v, kinds[k]) and not isinstance(v, bool))}
+
+
 def run_state(run_dir: Path) -> str:
     """The run's final outcome (finished, diverged or failed: not run again; outcome.read_outcome,
     the one reader of outcomes), else resume (has a checkpoint), restart (used directory without a
@@ -467,7 +479,7 @@ class LocalSweep:
 
     def write_record(self, run: PlannedRun, **fields) -> dict:
         path = self.record_path(run)
-        record = read_json(path) or {}
+        record = read_record(path) or {}
         record.update(name=run.name, index=run.index, params=run.params, **fields)
         atomic_write_bytes(path, json.dumps(record, indent=1, default=str).encode())  # never half-written
         return record
@@ -509,7 +521,7 @@ class LocalSweep:
                 self.outcomes[run.name] = state
                 continue
             log = self.meta / f"{run.name}.log"
-            attempts = (read_json(self.record_path(run)) or {}).get("attempts", 0) + 1
+            attempts = (read_record(self.record_path(run)) or {}).get("attempts", 0) + 1
             self.write_record(run, command=["fl-lightning", *args], status="running", attempts=attempts,
                               worker=worker, started=time.time(), exit_code=None, error=None)
             self._say(f"[worker {worker}] {'resume' if state == 'resume' else 'start'} {run.name}")

@@ -82,6 +82,16 @@ def test_analyze_validate_and_test_on_the_runs_own_config_leave_the_fit_alone(fi
         assert record.run_id != fit_run.run_id
         assert rows and all(row["round"] == 2 for row in rows), rows
     assert seen == {"analyze", "validate", "test"}
+    # the report of the parent directory, as the README lays runs out (runs/<setting>/<method>)
+    from fl_lightning.cli import main as fl_lightning
+
+    with pytest.raises(SystemExit) as stop:
+        fl_lightning(["report", str(fitted.parent.parent)])
+    table = capsys.readouterr().out
+    assert stop.value.code == 0, table
+    assert table.splitlines()[0].startswith("| method | final acc | best acc | seeds |")
+    assert table.splitlines()[2].startswith("| FedSOL | ")
+    assert fit_files(fitted) == before
 
 
 def test_an_abbreviated_option_is_refused_with_the_full_name(tmp_path, capsys):

@@ -118,8 +118,10 @@ def test_runs_without_sweep_records_are_labelled_by_the_options_that_differ(tmp_
         make_run(d, name, {}, final=acc, config=config, record=False)
     code, out, _ = report(str(d))
     assert code == 0
-    table = rows(out)
-    assert out.splitlines()[0].startswith("| alpha | final acc |")
+    assert out.splitlines()[0].startswith("| method | alpha | final acc |")
+    lines = [line for line in out.split("\n\n")[0].splitlines()[2:] if line.startswith("|")]
+    table = {c[1]: c[2:] for c in ([x.strip() for x in line.strip("|").split("|")] for line in lines)}  # by alpha
+    assert all(line.startswith("| X |") for line in lines)
     assert table["0.1"][:3] == ["30.00 ± 10.00", "30.00 ± 10.00", "2"] and table["0.5"][2] == "1"
 
 
@@ -131,3 +133,68 @@ def test_no_finished_runs_is_one_line_and_exit_2(tmp_path):
     assert err.startswith("error: report ") and "no finished runs" in err and len(err.strip().splitlines()) == 1
     code, _, err = report(str(tmp_path / "nowhere"))
     assert code == 2 and "no such directory" in err
+
+
+def readme_layout(top: Path) -> None:
+    """runs/<setting>/<method> as fit lays them out, seeds as sweep sub-directories for one."""
+    def config(setting, method, seed):
+        return {"seed_everything": seed, "model": {"class_path": f"fl_lightning.methods.{method}"},
+                "trainer": {"logger": {"init_args": {"group": f"{setting}/{method.lower()}"}}}}
+
+    make_run(top / "mnist5k", "fedavg", {}, final=0.5, config=config("mnist5k", "FedAvg", 0), record=False)
+    make_run(top / "mnist5k", "fedsol", {}, final=0.7, config=config("mnist5k", "FedSOL", 0), record=False)
+    for seed, acc in ((0, 0.2), (1, 0.4)):
+        make_run(top / "cifar10" / "fedavg", f"seed={seed}", {}, final=acc, config=config("cifar10", "FedAvg", seed),
+                 record=False)
+    for path, method in ((top / "mnist5k" / "fedavg", "FedAvg"), (top / "mnist5k" / "fedsol", "FedSOL"),
+                         *((top / "cifar10" / "fedavg" / f"seed={s}", "FedAvg") for s in (0, 1))):
+        summary = json.loads((path / "summary.json").read_text())
+        (path / "summary.json").write_text(json.dumps({**summary, "method": method}))
+
+
+def table_cells(out: str) -> list[list[str]]:
+    lines = [line for line in out.split("\n\n")[0].splitlines() if line.startswith("|")]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in lines if not line.startswith("|---")]
+
+
+def test_report_finds_runs_at_any_depth_with_method_and_setting_columns(tmp_path):
+    readme_layout(tmp_path / "runs")
+    code, out, _ = report(str(tmp_path / "runs"))
+    assert code == 0, out
+    header, *body = table_cells(out)
+    assert header[:3] == ["method", "setting", "final acc"]
+    assert sorted(tuple(r[:4]) for r in body) == [("FedAvg", "cifar10", "30.00 ± 10.00", "30.00 ± 10.00"),
+                                                  ("FedAvg", "mnist5k", "50.00 ± 0.00", "50.00 ± 0.00"),
+                                                  ("FedSOL", "mnist5k", "70.00 ± 0.00", "70.00 ± 0.00")]
+    # one setting: no setting column, a method column still
+    code, out, _ = report(str(tmp_path / "runs" / "mnist5k"))
+    header, *body = table_cells(out)
+    assert code == 0 and header[:2] == ["method", "final acc"] and len(body) == 2
+    # a run directory itself
+    code, out, _ = report(str(tmp_path / "runs" / "mnist5k" / "fedsol"))
+    header, *body = table_cells(out)
+    assert code == 0 and body == [["FedSOL", "70.00 ± 0.00", "70.00 ± 0.00", "1"]]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "wrong types", "empty"])
+def test_a_damaged_sweep_record_counts_as_absent(sweep_dir, damage):
+    record = sweep_dir / ".sweep" / "FedAvg-0.json"
+    record.write_text({"garbage": "{not json", "empty": "",
+                       "wrong types": json.dumps({"index": "first", "params": [1], "status": 3})}[damage])
+    code, out, err = report(str(sweep_dir))
+    assert code == 0 and "Traceback" not in err, err
+    with open(sweep_dir / "report.csv") as f:  # the run directory still counts, labelled by its config
+        assert "FedAvg-0" in " ".join(r["runs"] for r in csv.DictReader(f))
+
+
+def test_a_read_only_directory_prints_the_table_and_one_line_about_the_csv(sweep_dir, monkeypatch):
+    import fl_lightning.report as report_module
+
+    def refuse(path, data):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(report_module, "atomic_write_bytes", refuse)
+    code, out, err = report(str(sweep_dir))
+    assert code == 1 and "| FedAvg |" in out
+    assert err.strip().splitlines() == [err.strip()] and err.startswith("error: could not write ")
+    assert "--csv" in err and "Traceback" not in err

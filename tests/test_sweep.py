@@ -371,3 +371,19 @@ def test_a_count_below_one_is_refused_not_a_shorter_grid(tmp_path, count):
     code, _, err = run_cli(["sweep", str(path), "--local", "--dry-run", "--count", count,
                             "--root", str(tmp_path / "runs")])
     assert code == 2 and err.strip() == f"error: --count {count}: the number of runs must be at least 1", err
+
+
+def test_a_damaged_record_is_read_as_absent_fields_and_the_sweep_rewrites_it(tmp_path):
+    """A record with fields of the wrong type once killed the worker thread (`attempts: "two"` + 1),
+    and the sweep exited 0 with that run never started."""
+    spec = sweep.load_spec(write_spec(tmp_path / "s.yaml", {"seed_everything": {"values": [0]}}))
+    runs = sweep.plan(spec, tmp_path / "runs", validate=False)
+    local = sweep.LocalSweep(spec, runs, tmp_path / "runs", sweep.worker_envs(1, None, cores=1))
+    path = local.record_path(runs[0])
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"attempts": "two", "index": "first", "status": 3, "exit_code": True, "note": "x"}))
+    assert sweep.read_record(path) == {"note": "x"}
+    record = local.write_record(runs[0], attempts=(sweep.read_record(path) or {}).get("attempts", 0) + 1)
+    assert record["attempts"] == 1 and record["index"] == 0
+    path.write_text("{truncated")
+    assert sweep.read_record(path) is None
