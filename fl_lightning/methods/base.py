@@ -388,15 +388,13 @@ class FederatedMethod(L.LightningModule):
             # called here instead); the step counter still advances
             opt.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            self.after_backward()
             self.on_before_optimizer_step(opt.optimizer)
             opt.optimizer.step()
             compat.count_manual_optimizer_step(self.trainer)
         else:  # precision plugins (autocast, loss scaling), DDP and per-step callback hooks
             opt.zero_grad(set_to_none=True)
             self.manual_backward(loss)
-            self.after_backward()
-            opt.step()
+            opt.step()  # Lightning calls on_before_optimizer_step inside, after unscaling
         self._base_after_step_ran = False
         self.after_optimizer_step()
         if self._constraint is not None and not self._base_after_step_ran:
@@ -405,12 +403,16 @@ class FederatedMethod(L.LightningModule):
         self.local_step += 1
 
     def after_backward(self) -> None:
-        """Hook between backward and step: gradient corrections (SCAFFOLD, constraints)."""
+        """Hook between backward and step: gradient corrections (SCAFFOLD's c - c_i, FedSOL's
+        projection). It sees the gradients as the optimizer will (unscaled by any loss scaler:
+        it runs in `on_before_optimizer_step`), so a correction added here is added at its true size."""
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """Lightning calls this right before every local step (`sgd_step` calls it itself on its
-        direct path), after a loss scaler has unscaled the gradients: the place to clip them.
-        Overrides must call super()."""
+        direct path), after a loss scaler (16-mixed's GradScaler) has unscaled the gradients: the
+        place for gradient corrections (`after_backward`) and then clipping. Overrides must call
+        super()."""
+        self.after_backward()
         self.clip_local_gradients(optimizer)
 
     def clip_local_gradients(self, optimizer) -> None:
