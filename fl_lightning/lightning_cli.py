@@ -465,7 +465,12 @@ def one_line_error(err: BaseException, args: list[str] | None = None) -> tuple[s
     from lightning.fabric.utilities.exceptions import MisconfigurationException
 
     if isinstance(err, (ValueError, TypeError, MisconfigurationException)) and _raised_by_trainer_init(err):
-        return f"trainer: {' '.join(str(err).split())}", EXIT_USER_ERROR
+        text = " ".join(str(err).split())
+        if "No supported gpu backend found" in text or "can not run on your system since the accelerator" in text:
+            return ("trainer.accelerator: this machine has no usable GPU (torch.cuda.is_available() is "
+                    "False); use --trainer.accelerator cpu (or auto, which picks a GPU where there is one)"), \
+                EXIT_USER_ERROR
+        return f"trainer: {text}", EXIT_USER_ERROR
     return None
 
 

@@ -73,6 +73,8 @@ MALFORMED = [
     (["--model.init_args.constraint", "both"], ["model.init_args.constraint", "none, joint, sequential"]),
     (["--federation.on_divergence", "foo"], ["federation.on_divergence", "stop, skip_client"]),
     (["--trainer.accelerator", "banana"], ["trainer", "accelerator", "cpu"]),
+    (["--trainer.accelerator", "gpu"], ["no usable GPU", "use --trainer.accelerator cpu"]),
+    (["--trainer.accelerator", "cuda"], ["no usable GPU", "use --trainer.accelerator cpu"]),
     (["--trainer.devices", "abc"], ["trainer", "devices", "int > 0"]),
     (["--trainer.max_epochs", "-5"], ["trainer", "max_epochs", "non-negative"]),
     # values the method or data module refuses
