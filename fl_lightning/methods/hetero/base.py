@@ -128,6 +128,9 @@ class HeteroMethod(FederatedMethod):
             for client in range(num_clients):
                 architecture = self.client_architecture(client)
                 model = build_group_model(architecture, h.data_spec, h.feature_dim)
+                if self._trainer is not None:  # in the precision's dtype (float64 for 64-true), as
+                    # Lightning converts the module itself; client models are not its submodules
+                    model = self.trainer.precision_plugin.convert_module(model)
                 if store:
                     if parallel:
                         compat.sync_module_states(model)
@@ -314,7 +317,7 @@ class HeteroMethod(FederatedMethod):
             mine = Evaluation(num_classes).to(self.device)
             with self.client_model(client) as model, eval_mode(model):
                 for x, y in dm.client_loader(client, "test"):
-                    x, y = x.to(self.device), y.to(self.device)
+                    x, y = self.trainer.precision_plugin.convert_input(x.to(self.device)), y.to(self.device)
                     logits = self.predict_logits(x)
                     overall.update(logits, y)
                     mine.update(logits, y)

@@ -149,7 +149,7 @@ class FedGen(LGFedAvg):
         if not context.finetuning and bool(self.server["generator_trained"]) and self.hparams.gen_weight > 0:
             # Drawn from the global RNG, which client_start seeds per (seed, round, client).
             labels = torch.multinomial(self.label_distribution(), len(y), replacement=True)
-            noise = torch.rand(len(y), self.hparams.noise_dim, device=y.device)
+            noise = torch.rand(len(y), self.hparams.noise_dim, device=y.device).to(model.head.weight.dtype)
             self.generator.eval()  # the client uses G; BatchNorm's running statistics, no update
             with torch.no_grad():
                 generated = self.generator(labels, noise)
@@ -173,19 +173,20 @@ class FedGen(LGFedAvg):
         h, dev = self.hparams, self.device
         counts = torch.stack([u.label_counts.to(dev) for u in uploads])
         weights = self.teacher_weights(uploads, counts)
+        generator = copy.deepcopy(self.generator)
+        dtype = next(generator.parameters()).dtype  # the run's precision (float32, float64 for 64-true)
         heads = [
-            (u.weights[f"{HEAD_PREFIX}weight"].to(dev).float(), u.weights[f"{HEAD_PREFIX}bias"].to(dev).float())
+            (u.weights[f"{HEAD_PREFIX}weight"].to(dev, dtype), u.weights[f"{HEAD_PREFIX}bias"].to(dev, dtype))
             for u in uploads
         ]
         label_dist = counts.sum(0)
         rng = torch.Generator(device=dev).manual_seed(self.server_seed())
-        generator = copy.deepcopy(self.generator)
         opt = torch.optim.Adam(generator.parameters(), lr=h.generator_lr)
         generator.train()
         with torch.enable_grad():
             for _ in range(h.server_steps):
                 labels = torch.multinomial(label_dist, h.server_batch_size, replacement=True, generator=rng)
-                noise = torch.rand(h.server_batch_size, h.noise_dim, device=dev, generator=rng)
+                noise = torch.rand(h.server_batch_size, h.noise_dim, device=dev, generator=rng).to(dtype)
                 feats = generator(labels, noise)
                 loss = F.cross_entropy(ensemble_logits(feats, labels, heads, weights), labels)
                 if h.diversity_weight > 0:

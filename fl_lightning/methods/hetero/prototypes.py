@@ -43,8 +43,10 @@ def class_prototypes(model: nn.Module, loader, device) -> dict[int, torch.Tensor
     model.eval()
     sums: dict[int, torch.Tensor] = {}
     counts: dict[int, int] = {}
+    dtype = next(model.parameters()).dtype  # inputs as the model's (float64 under 64-true)
     for x, y in loader:
-        feats = model.features(x.to(device)).float()
+        feats = model.features(x.to(device=device, dtype=dtype))
+        feats = feats.to(torch.promote_types(feats.dtype, torch.float32))  # sums in >= float32
         for c in torch.unique(y).tolist():
             mask = (y == c).to(device)
             sums[c] = sums.get(c, 0) + feats[mask].sum(0)
@@ -90,7 +92,8 @@ def orthogonality_loss(
 ) -> torch.Tensor:
     """FedORGP's L_OR (Eq. 3-5): lam_s * (1 - s) + lam_d * d with
     s = mean_b cos(P_b, P^{y_b}) and d = mean_b sum_{c != y_b} |cos(P_b, P^c)| / (C - 1)."""
-    cos = F.normalize(client_protos, dim=1) @ F.normalize(global_protos, dim=1).T
+    dtype = torch.promote_types(client_protos.dtype, global_protos.dtype)  # e.g. float32 uploads, bf16 server
+    cos = F.normalize(client_protos.to(dtype), dim=1) @ F.normalize(global_protos.to(dtype), dim=1).T
     own = F.one_hot(labels, global_protos.shape[0]).bool()
     s = cos[own].mean()
     d = (cos.abs().masked_fill(own, 0.0).sum(1) / (global_protos.shape[0] - 1)).mean()
