@@ -28,6 +28,7 @@ import numpy as np
 import yaml
 
 from fl_lightning.atomic import atomic_write_bytes
+from fl_lightning.comparison import FIGURES, accuracy_key, curve, curves_png, difference, figure
 from fl_lightning.errors import FLUserError, OneLineArgumentParser
 from fl_lightning.outcome import read_outcome
 from fl_lightning.sweep import FINAL_STATES, SEED_KEYS, display_value, read_json, read_record, short_keys
@@ -155,18 +156,21 @@ def fmt(pair: tuple[float, float] | None) -> str:
     return "—" if pair is None else f"{pair[0]:.2f} ± {pair[1]:.2f}"
 
 
-def value(run: Run, metric: str):
-    """`final_acc` / `best_acc` from the summary, any other key from its last round (`last`)."""
+def value(run: Run, metric: str, last_k: int = 10):
+    """`final_acc` / `best_acc` from the summary, `last_k_mean` the mean accuracy of its last k
+    rounds (metrics.csv), any other key from its last round (`last`)."""
     summary = run.summary or {}
+    if metric == "last_k_mean":
+        return figure(run.path, summary, "last_k_mean", last_k)
     v = summary.get(metric) if metric in ("final_acc", "best_acc") else (summary.get("last") or {}).get(metric)
     return v if isinstance(v, (int, float)) and math.isfinite(v) else None
 
 
-def metric_cell(row: Row, metric: str) -> tuple[str, tuple[float, float] | None]:
+def metric_cell(row: Row, metric: str, last_k: int = 10) -> tuple[str, tuple[float, float] | None]:
     """The table cell of one metric with the papers' Failed/Diverged marks."""
     done = row.done()
     kept = [r for r in done if r.status != "diverged"]
-    pair = stats([v for v in (value(r, metric) for r in kept) if v is not None])
+    pair = stats([v for v in (value(r, metric, last_k) for r in kept) if v is not None])
     diverged = sum(r.status == "diverged" for r in done)
     failed = sum(r.status == "failed" for r in done)
     if done and diverged == len(done):
@@ -196,10 +200,17 @@ class Table:
     notes: list[str]
     compare_headers: list[str] = field(default_factory=list)
     compare_rows: list[list[str]] = field(default_factory=list)
+    curves: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # row label -> its runs' curves
+    accuracy: str = "global/test_acc"  # the runs' accuracy metric (clients/test_acc: model-heterogeneous)
 
 
-def build(top: Path, compare: dict | None = None) -> Table:
-    """The table of the runs below `top`: one row per method and parameter set, mean ± std over seeds."""
+FIGURE_KEYS = {"final": "final_acc", "best": "best_acc", "last_k_mean": "last_k_mean"}
+
+
+def build(top: Path, compare: dict | None = None, metric: str = "final", last_k: int = 10,
+          baseline: str | None = None) -> Table:
+    """The table of the runs below `top`: one row per method and parameter set, mean ± std over
+    seeds; with `baseline`, each row's difference from the baseline method's row in `metric`."""
     if not top.is_dir():
         raise FLUserError(f"report {top}: no such directory")
     runs = collect(top)
@@ -217,17 +228,83 @@ def build(top: Path, compare: dict | None = None) -> Table:
     metrics = ["final_acc", "best_acc", *personal, *extra]
     headers = [short[k] for k in label_keys] + ["final acc", "best acc", "seeds"]
     headers += [k.removesuffix("_acc_mean") for k in personal] + extra
-    table = Table(headers=headers, rows=[], csv_rows=[], notes=_notes(runs))
+    if metric == "last_k_mean":
+        metrics.append("last_k_mean")
+        headers.append(f"last-{last_k} mean acc")
+    base_rows = _baseline_rows(rows, baseline) if baseline else {}
+    if baseline:
+        label = {"final": "final acc", "best": "best acc"}.get(metric, f"last-{last_k} mean acc")
+        headers.append(f"{label} − {baseline} (95% CI)")
+    table = Table(headers=headers, rows=[], csv_rows=[], notes=_notes(runs), accuracy=accuracy_key(done[0].summary))
     for row in rows:
-        _add_row(table, row, label_keys, short, metrics)
+        _add_row(table, row, label_keys, short, metrics, last_k)
+        if baseline:
+            _add_difference(table, row, base_rows.get(_setting_of(row)), FIGURE_KEYS[metric], last_k)
+        table.curves[" ".join(display_value(v) for v in row.params.values())] = [
+            curve(r.path, r.summary) for r in row.done() if r.status != "diverged"]
     if compare is not None:
         _add_comparison(table, rows, short, compare)
     return table
 
 
-def _add_row(table: Table, row: Row, label_keys: list[str], short: dict[str, str], metrics: list[str]) -> None:
+def _method_of(row: Row) -> str:
+    return display_value(row.params.get("method", row.params.get("model.class_path", "")))
+
+
+def _setting_of(row: Row) -> str:
+    return str(row.params.get("setting", ""))
+
+
+def _baseline_rows(rows: list[Row], baseline: str) -> dict[str, Row]:
+    """The baseline method's row of each setting; one line if there is none or several."""
+    found: dict[str, list[Row]] = {}
+    for row in rows:
+        if _method_of(row).lower() == baseline.lower():
+            found.setdefault(_setting_of(row), []).append(row)
+    if not found:
+        methods = ", ".join(sorted({_method_of(r) for r in rows}))
+        raise FLUserError(f"--baseline {baseline}: no finished run of that method here; methods: {methods}")
+    for setting, candidates in found.items():
+        if len(candidates) > 1:
+            raise FLUserError(f"--baseline {baseline}: {len(candidates)} rows of that method"
+                              f"{' in ' + setting if setting else ''} (they differ in other options); "
+                              f"report a directory holding one of them")
+    return {setting: candidates[0] for setting, candidates in found.items()}
+
+
+def _seed_values(row: Row, metric: str, last_k: int) -> dict[tuple, float]:
+    """A row's figure per run, keyed by the run's seeds (its name where they are unknown)."""
+    out = {}
+    for run in row.done():
+        v = value(run, metric, last_k) if run.status != "diverged" else None
+        if v is not None:
+            seeds = tuple(run.params.get(k) for k in SEED_KEYS)
+            out[seeds if any(s is not None for s in seeds) else (run.name,)] = v
+    return out
+
+
+def _add_difference(table: Table, row: Row, base: Row | None, metric: str, last_k: int) -> None:
+    if base is None:
+        text, diff = "no baseline run in this setting", None
+    elif base is row:
+        text, diff = "(baseline)", None
+    else:
+        diff = difference(_seed_values(row, metric, last_k), _seed_values(base, metric, last_k))
+        text = "—" if diff is None else diff.text()
+    table.rows[-1].append(text)
+    if diff is not None:
+        table.csv_rows[-1].update(diff_mean=round(diff.mean, 4), diff_low=_round(diff.low),
+                                  diff_high=_round(diff.high), diff_test=diff.test)
+
+
+def _round(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
+def _add_row(table: Table, row: Row, label_keys: list[str], short: dict[str, str], metrics: list[str],
+             last_k: int) -> None:
     labels = [display_value(row.params[k]) if k in row.params else "" for k in label_keys]
-    cells = {m: metric_cell(row, m) for m in metrics}
+    cells = {m: metric_cell(row, m, last_k) for m in metrics}
     n = len(row.done())
     table.rows.append([*labels, cells["final_acc"][0], cells["best_acc"][0], str(n),
                        *(cells[m][0] for m in metrics[2:])])
@@ -310,10 +387,21 @@ def main(argv: list[str]) -> int:
     p.add_argument("sweep_dir", help="a directory of runs at any depth, e.g. runs, runs/<setting> or runs/<sweep>")
     p.add_argument("--compare", default=None, help="a paper table, configs/tables/<table>.yaml")
     p.add_argument("--csv", default=None, help="where to write the CSV (default: <sweep_dir>/report.csv)")
+    p.add_argument("--metric", choices=FIGURES, default="final",
+                   help="the figure --baseline compares: the final round's accuracy, the best round's, or the "
+                        "mean of the last --last-k rounds (a column of its own)")
+    p.add_argument("--last-k", type=int, default=10, help="rounds averaged by --metric last_k_mean (default 10)")
+    p.add_argument("--baseline", default=None,
+                   help="a method (e.g. FedAvg): each row's difference from its row in --metric, with a 95%% "
+                        "confidence interval over seeds (paired t where both ran the same seeds, else Welch's t)")
+    p.add_argument("--curves", action="store_true",
+                   help="also write curves.png beside the CSV: accuracy against rounds, mean ± std over seeds")
     opts = p.parse_args(argv)
+    if opts.last_k < 1:
+        raise FLUserError(f"--last-k must be >= 1 (the number of last rounds to average), got {opts.last_k}")
     compare = load_compare(Path(opts.compare)) if opts.compare else None
     sweep_dir = Path(opts.sweep_dir)
-    table = build(sweep_dir, compare)
+    table = build(sweep_dir, compare, metric=opts.metric, last_k=opts.last_k, baseline=opts.baseline)
     print(markdown(table.headers, table.rows))
     for note in table.notes:
         print(f"- {note}")
@@ -333,4 +421,14 @@ def main(argv: list[str]) -> int:
               f"give --csv <a writable path>", file=sys.stderr)
         return 1
     print(f"\n(CSV: {csv_path})")
+    if opts.curves:
+        png = csv_path.with_name("curves.png")
+        try:
+            curves_png(table.curves, png, f"{sweep_dir.resolve().name}: accuracy, mean ± std over seeds",
+                       ylabel=table.accuracy.replace("/", " ").replace("_", " "))
+        except OSError as err:
+            print(f"error: could not write {png} ({err.strerror or err}); give --csv <a writable path>",
+                  file=sys.stderr)
+            return 1
+        print(f"(curves: {png})")
     return 0

@@ -29,6 +29,7 @@ import lightning as L
 import torch
 
 from fl_lightning.atomic import atomic_write_bytes
+from fl_lightning.comparison import read_metrics  # noqa: F401 - the reader of what this module writes
 from fl_lightning.federation import CLIENT_COLUMNS, federation_of
 from fl_lightning.loggers import update_wandb_summary
 from fl_lightning.outcome import Outcome, outcome_of_exception
@@ -42,18 +43,6 @@ def _number(value: Any) -> float | None:
     if isinstance(value, bool | int | float):
         return float(value)
     return None
-
-
-def read_metrics(path: str | Path) -> list[dict[str, float]]:
-    """The rows of a metrics.csv (or clients.csv), numbers as floats (`round` as int); empty cells
-    left out."""
-    with open(path, newline="") as f:
-        rows = []
-        for row in csv.DictReader(f):
-            parsed = {k: float(v) for k, v in row.items() if v not in ("", None)}
-            parsed["round"] = int(parsed["round"])
-            rows.append(parsed)
-    return rows
 
 
 def read_summary(run_dir: str | Path) -> dict[str, Any]:

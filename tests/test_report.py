@@ -198,3 +198,65 @@ def test_a_read_only_directory_prints_the_table_and_one_line_about_the_csv(sweep
     assert code == 1 and "| FedAvg |" in out
     assert err.strip().splitlines() == [err.strip()] and err.startswith("error: could not write ")
     assert "--csv" in err and "Traceback" not in err
+
+
+def methods_with_curves(top: Path) -> None:
+    """FedSOL and FedAvg on seeds 0-2 (the same seeds: paired), FedProx on seeds 3-4 (Welch);
+    metrics.csv: 5 rounds whose last value is the final accuracy."""
+    m = "fl_lightning.methods."
+    table = {"FedSOL": {0: 0.60, 1: 0.70, 2: 0.80}, "FedAvg": {0: 0.50, 1: 0.65, 2: 0.70},
+             "FedProx": {3: 0.55, 4: 0.75}}
+    for method, finals in table.items():
+        for seed, final in finals.items():
+            name = f"{method}-{seed}"
+            make_run(top, name, {"model.class_path": m + method, "seed_everything": seed}, final=final)
+            rows = [(r, final - 0.05 * (5 - r)) for r in range(1, 6)]  # rising to the final value
+            (top / name / "metrics.csv").write_text("round,global/test_acc\n" +
+                                                    "".join(f"{r},{a}\n" for r, a in rows))
+            summary = json.loads((top / name / "summary.json").read_text())
+            (top / name / "summary.json").write_text(json.dumps({**summary, "accuracy": "global/test_acc"}))
+
+
+def test_baseline_differences_with_paired_and_welch_intervals(tmp_path):
+    from scipy import stats
+
+    methods_with_curves(tmp_path / "t")
+    code, out, err = report(str(tmp_path / "t"), "--baseline", "FedAvg")
+    assert code == 0, err
+    header, *body = table_cells(out)
+    assert header[-1] == "final acc − FedAvg (95% CI)"
+    cells = {r[0]: r[-1] for r in body}
+    assert cells["FedAvg"] == "(baseline)"
+    # paired over seeds 0-2: differences 10, 5, 10 points; mean 8.333, sd 2.8868, t(0.975, 2) = 4.3027
+    half = 4.302652729911275 * (50 / 6) ** 0.5 / 3**0.5
+    assert cells["FedSOL"] == f"+8.33 [{25 / 3 - half:+.2f}, {25 / 3 + half:+.2f}] (paired t, n=3)"
+    # Welch: 55, 75 against 50, 65, 70
+    va, vb = 200 / 2, (650 / 3) / 2 / 3  # var(ddof=1) / n
+    df = (va + vb) ** 2 / (va**2 / 1 + vb**2 / 2)
+    half = stats.t.ppf(0.975, df) * (va + vb) ** 0.5
+    assert cells["FedProx"] == f"+3.33 [{10 / 3 - half:+.2f}, {10 / 3 + half:+.2f}] (Welch t, n=2)"
+
+
+def test_last_k_mean_and_the_curves(tmp_path):
+    methods_with_curves(tmp_path / "t")
+    code, out, err = report(str(tmp_path / "t"), "--metric", "last_k_mean", "--last-k", "3", "--baseline",
+                            "fedavg", "--curves")
+    assert code == 0, err
+    header, *body = table_cells(out)
+    assert "last-3 mean acc" in header and header[-1] == "last-3 mean acc − fedavg (95% CI)"
+    column = header.index("last-3 mean acc")
+    # FedSOL's seeds: final - 0.05 on average over rounds 3-5 -> 55, 65, 75: 65.00 ± 8.16
+    assert {r[0]: r[column] for r in body}["FedSOL"] == "65.00 ± 8.16"
+    png = tmp_path / "t" / "curves.png"
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--baseline", "FedNothing"], "--baseline FedNothing: no finished run of that method here; methods: "),
+    (["--last-k", "0"], "--last-k must be >= 1"),
+    (["--metric", "median"], "--metric"),
+])
+def test_bad_comparison_options_are_one_line(sweep_dir, args, message):
+    code, out, err = report(str(sweep_dir), *args)
+    assert code == 2 and out == "" and err.startswith("error: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1

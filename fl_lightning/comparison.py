@@ -1,0 +1,133 @@
+"""Comparing methods as papers do, with an interval (`fl-lightning report --metric/--baseline/--curves`).
+
+- A run's figure (`figure`): its final or best global test accuracy (summary.json), or the mean of
+  its last k rounds (metrics.csv), a less noisy figure than the last round alone.
+- A row's difference from the baseline row (`difference`): mean and 95% confidence interval of
+  row - baseline over seeds. Paired (Student's t on the per-seed differences, n - 1 degrees of
+  freedom) when every seed of the row also ran for the baseline, as when a sweep gives every method
+  the same seeds; otherwise Welch's t (unequal variances, Welch-Satterthwaite degrees of freedom).
+  Fewer than two values on a side give no interval.
+- Learning curves (`curves_png`): global test accuracy against rounds, one line per row with a
+  band of ± one std over its seeds.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fl_lightning.atomic import atomic_write_bytes
+
+FIGURES = ("final", "best", "last_k_mean")
+
+
+def read_metrics(path: str | Path) -> list[dict[str, float]]:
+    """The rows of a metrics.csv (or clients.csv), numbers as floats (`round` as int); empty cells
+    left out. (Here rather than in results.py, so that `report` reads runs without Lightning.)"""
+    with open(path, newline="") as f:
+        rows = []
+        for row in csv.DictReader(f):
+            parsed = {k: float(v) for k, v in row.items() if v not in ("", None)}
+            parsed["round"] = int(parsed["round"])
+            rows.append(parsed)
+    return rows
+
+
+def accuracy_key(summary: dict | None) -> str:
+    return str((summary or {}).get("accuracy") or "global/test_acc")
+
+
+def curve(run_dir: Path, summary: dict | None) -> dict[int, float]:
+    """round -> the run's accuracy (a fraction) from its metrics.csv; empty when unreadable."""
+    key = accuracy_key(summary)
+    try:
+        rows = read_metrics(run_dir / "metrics.csv")
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {int(r["round"]): float(r[key]) for r in rows if key in r and math.isfinite(float(r[key]))}
+
+
+def figure(run_dir: Path, summary: dict | None, which: str, last_k: int) -> float | None:
+    """The run's figure as a fraction: `final`, `best` (summary.json) or `last_k_mean`."""
+    summary = summary or {}
+    if which in ("final", "best"):
+        v = summary.get(f"{which}_acc")
+        return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+    values = [v for _, v in sorted(curve(run_dir, summary).items())][-last_k:]
+    return float(np.mean(values)) if values else None
+
+
+@dataclass
+class Difference:
+    mean: float  # percentage points
+    low: float | None
+    high: float | None
+    test: str  # "paired t", "Welch t" or "no CI (n < 2)"
+    n: int
+
+    def text(self) -> str:
+        if self.low is None:
+            return f"{self.mean:+.2f} ({self.test})"
+        return f"{self.mean:+.2f} [{self.low:+.2f}, {self.high:+.2f}] ({self.test}, n={self.n})"
+
+
+def difference(row: dict[tuple, float], base: dict[tuple, float], level: float = 0.95) -> Difference | None:
+    """row - base in percentage points with its `level` confidence interval; `row`/`base` map a
+    run's seeds to its figure (a fraction). None when a side has no value."""
+    from scipy import stats
+
+    if not row or not base:
+        return None
+    a, b = 100 * np.asarray(list(row.values())), 100 * np.asarray(list(base.values()))
+    q = 0.5 + level / 2
+    if set(row) <= set(base) and len(row) >= 2:  # the same seeds: paired
+        d = 100 * np.asarray([row[s] - base[s] for s in row])
+        half = stats.t.ppf(q, len(d) - 1) * d.std(ddof=1) / math.sqrt(len(d))
+        return Difference(float(d.mean()), float(d.mean() - half), float(d.mean() + half), "paired t", len(d))
+    mean = float(a.mean() - b.mean())
+    if len(a) < 2 or len(b) < 2:
+        return Difference(mean, None, None, "no CI (n < 2)", min(len(a), len(b)))
+    va, vb = a.var(ddof=1) / len(a), b.var(ddof=1) / len(b)
+    se = math.sqrt(va + vb)
+    if se == 0:
+        return Difference(mean, mean, mean, "Welch t", min(len(a), len(b)))
+    df = (va + vb) ** 2 / (va**2 / (len(a) - 1) + vb**2 / (len(b) - 1))
+    half = stats.t.ppf(q, df) * se
+    return Difference(mean, mean - half, mean + half, "Welch t", min(len(a), len(b)))
+
+
+def curves_png(curves: dict[str, list[dict[int, float]]], path: Path, title: str,
+               ylabel: str = "global test accuracy") -> None:
+    """One line per label (mean over its runs' curves, in %) with a ± one std band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for label, runs in curves.items():
+        rounds = sorted(set().union(*runs)) if runs else []
+        if not rounds:
+            continue
+        values = [[100 * c[r] for c in runs if r in c] for r in rounds]
+        mean = np.array([np.mean(v) for v in values])
+        std = np.array([np.std(v) for v in values])
+        (line,) = ax.plot(rounds, mean, label=f"{label} (n={len(runs)})")
+        ax.fill_between(rounds, mean - std, mean + std, color=line.get_color(), alpha=0.2, linewidth=0)
+    ax.set_xlabel("round")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel(f"{ylabel} (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    plt.close(fig)
+    atomic_write_bytes(path, buffer.getvalue())
