@@ -322,7 +322,7 @@ def test_killed_sweep_restarts_skipping_finished_runs_and_resuming_the_others(tm
     # The report over the sweep: two rows (1 and 8 rounds), two seeds each.
     code, table, _ = run_cli(["report", str(sweep_dir)])
     assert code == 0
-    body = [line for line in table.splitlines() if line.startswith("| 1 ") or line.startswith("| 8 ")]
+    body = [line for line in table.splitlines() if line.startswith(("| FedAvg | 1 ", "| FedAvg | 8 "))]
     assert len(body) == 2 and all(line.rstrip(" |").endswith("| 2") for line in body), table
 
 
