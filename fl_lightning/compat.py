@@ -94,6 +94,16 @@ def wandb_init_kwargs(logger) -> dict:
     return logger._wandb_init
 
 
+def wandb_offline(logger) -> bool:
+    """Whether Lightning's WandbLogger was asked to log offline (`WandbLogger._offline`)."""
+    return bool(logger._offline)
+
+
+def set_wandb_run(logger, run) -> None:
+    """Hands Lightning's WandbLogger a W&B run created outside it (`WandbLogger._experiment`)."""
+    logger._experiment = run
+
+
 def wandb_run_created(logger) -> bool:
     """Whether Lightning's WandbLogger has created its W&B run yet (`WandbLogger._experiment`)."""
     return logger._experiment is not None

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from fl_lightning import compat
 from fl_lightning.config_files import run_name_from_configs
@@ -46,6 +47,7 @@ class FLWandbLogger(WandbLogger):
             # Lightning passes anonymous=None, which W&B (>= 0.19) warns about at every start
             compat.wandb_init_kwargs(self).pop("anonymous", None)
         self._resolved_config: dict[str, Any] | None = None
+        self._row: dict[str, Any] = {}  # the current round's W&B history row, sent when the round ends
         # validate/test/analyze of a checkpoint: the round it holds (Lightning's epoch is 0 there)
         self.checkpoint_round: int | None = None
 
@@ -61,23 +63,48 @@ class FLWandbLogger(WandbLogger):
 
     @property
     def experiment(self):
-        created = not compat.wandb_run_created(self)
-        if created:  # created here, not at construction: a start that fails leaves no directory
+        if not compat.wandb_run_created(self) and rank_zero_only.rank == 0:
+            # Created here rather than by Lightning, whose WandbLogger would make its own
+            # `trainer/global_step` the x-axis of every metric; here it is the round (1-based).
+            # Created on first use, not at construction: a start that fails leaves no directory.
+            import wandb
+
             Path(self.save_dir).mkdir(parents=True, exist_ok=True)
-        run = super().experiment
-        if created and getattr(run, "define_metric", None) is not None:
-            # x-axis of every metric: the round (1-based), present in every logged row (log_metrics)
-            run.define_metric("round")
-            run.define_metric("*", step_metric="round", step_sync=True)
-        return run
+            if compat.wandb_offline(self):
+                os.environ["WANDB_MODE"] = "offline"
+            run = wandb.run if wandb.run is not None else wandb.init(**compat.wandb_init_kwargs(self))
+            compat.set_wandb_run(self, run)
+            if getattr(run, "define_metric", None) is not None:
+                run.define_metric("round")
+                run.define_metric("*", step_metric="round", step_sync=True)
+        return super().experiment
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        # Lightning adds the 0-based `epoch` to every row; one epoch is one round
+        """Everything of a round goes into one W&B history row (metrics, media, tables), sent when
+        the next round's first value arrives or the run ends. Lightning's `epoch` (0-based, one
+        epoch is one round) becomes `round`; its step counter is not logged."""
+        metrics = dict(metrics)
+        epoch = metrics.pop("epoch", None)
         if self.checkpoint_round is not None:
-            metrics = {**metrics, "round": float(self.checkpoint_round)}
-        elif "epoch" in metrics:
-            metrics = {**metrics, "round": float(metrics["epoch"]) + 1}
-        super().log_metrics(metrics, step)
+            metrics["round"] = float(self.checkpoint_round)
+        elif "round" not in metrics and epoch is not None:
+            metrics["round"] = float(epoch) + 1
+        self.add_to_round(metrics)
+
+    def add_to_round(self, values: Mapping[str, Any]) -> None:
+        """Adds `values` (scalars, wandb media) to the row of their `round`."""
+        if self._row and values.get("round", self._row.get("round")) != self._row.get("round"):
+            self.flush_round()
+        self._row.update(values)
+
+    def flush_round(self) -> None:
+        if self._row:
+            row, self._row = self._row, {}
+            self.experiment.log(row)
+
+    def finalize(self, status: str) -> None:
+        self.flush_round()
+        super().finalize(status)
 
     def log_hyperparams(self, params) -> None:
         # With the CLI's resolved config in place, the module's and data module's hyperparameters
@@ -113,10 +140,16 @@ def update_wandb_summary(loggers, summary: Mapping[str, Any]) -> None:
             logger.experiment.summary.update(values)
 
 
+# How the command was run (which checkpoint, replace the directory, unpickling), not what the run
+# computes: not part of the W&B run's config.
+COMMAND_KEYS = ("overwrite", "ckpt_path", "weights_only")
+
+
 def without_internal_keys(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The config without keys starting with "_" (jsonargparse/Lightning internals), recursively."""
+    """The config without keys starting with "_" (jsonargparse/Lightning internals), recursively,
+    and without the command's own options (COMMAND_KEYS) at its top level."""
     return {k: without_internal_keys(v) if isinstance(v, Mapping) else v
-            for k, v in config.items() if not str(k).startswith("_")}
+            for k, v in config.items() if not str(k).startswith("_") and k not in COMMAND_KEYS}
 
 
 class IncompleteRunFile(ValueError):

@@ -31,7 +31,7 @@ import torch
 from fl_lightning.atomic import atomic_write_bytes
 from fl_lightning.comparison import read_metrics  # noqa: F401 - the reader of what this module writes
 from fl_lightning.federation import CLIENT_COLUMNS, federation_of
-from fl_lightning.loggers import update_wandb_summary
+from fl_lightning.loggers import FLWandbLogger, update_wandb_summary
 from fl_lightning.outcome import Outcome, outcome_of_exception
 
 
@@ -43,6 +43,19 @@ def _number(value: Any) -> float | None:
     if isinstance(value, bool | int | float):
         return float(value)
     return None
+
+
+def clients_table_to_wandb(trainer, round_number: int, clients: list[dict[str, float]]) -> None:
+    """The round's clients.csv rows as a W&B table `clients/table` in the round's history row."""
+    targets = [lg for lg in trainer.loggers if isinstance(lg, FLWandbLogger)]
+    if not targets or not clients:
+        return
+    import wandb
+
+    rows = [[c.get(k) for k in CLIENT_COLUMNS] for c in clients]
+    for logger in targets:
+        logger.add_to_round({"round": float(round_number),
+                             "clients/table": wandb.Table(columns=list(CLIENT_COLUMNS), data=rows)})
 
 
 def read_summary(run_dir: str | Path) -> dict[str, Any]:
@@ -101,6 +114,7 @@ class ResultsCallback(L.Callback):
             self.rows = [r for r in self.rows if r["round"] < report.round] + [row]
             if trainer.is_global_zero:
                 self._append_clients(report.round, report.clients)
+                clients_table_to_wandb(trainer, report.round, report.clients)
         self.write(trainer, pl_module)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module) -> None:

@@ -146,3 +146,26 @@ def test_a_fit_on_a_terminal_shows_rounds_no_library_noise_and_where_the_results
     last = [line for line in text.replace("\r", "\n").splitlines() if line.strip()][-1]
     assert last.startswith(f"run directory {root}: metrics.csv"), last
     assert "wandb sync " + str(root / "wandb" / "offline-run-") in last
+
+
+def test_the_wandb_run_has_one_history_row_per_round_with_its_clients_table(fitted):
+    """Before: about three rows a round (validation metrics, media, epoch-end metrics), so media
+    carried `_step` 15, 31, 47 rather than rounds, with Lightning's `epoch` and
+    `trainer/global_step` in every row and a second x-axis definition."""
+    files = sorted((fitted / "wandb").glob("offline-run-*/run-*.wandb"))
+    records = list(offline_records(files[-1]))
+    rows = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            for r in records if r.WhichOneof("record_type") == "history"]
+    assert [row["round"] for row in rows] == [0, 1, 2]  # the partition at fit start, then one row a round
+    assert [row["_step"] for row in rows] == [0, 1, 2]
+    assert not any(k in row for row in rows for k in ("epoch", "trainer/global_step"))
+    for row in rows[1:]:
+        assert "global/test_acc" in row and "train/loss" in row and "analysis/client_global_dist_mean" in row
+        assert row["clients/table/_type"] == "table-file" and row["clients/table/ncols"] == 7
+    assert "analysis/surface_loss/_type" in rows[2]  # media in their round's row
+    definitions = [(r.metric.name, r.metric.glob_name, r.metric.step_metric) for r in records
+                   if r.WhichOneof("record_type") == "metric"]
+    assert definitions == [("round", "", ""), ("", "*", "round")]
+    run_record = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    config = {item.key for item in run_record.config.update}
+    assert not config & {"overwrite", "ckpt_path", "weights_only"} and {"model", "data", "trainer"} <= config

@@ -40,8 +40,8 @@ def test_fit_logs_resumes_and_validates(tmp_path, capsys, caplog):
     state = torch.load(ckpt, map_location="cpu", weights_only=True)
     rounds_done = state["epoch"]
     rows = wandb_rows(root)
-    accuracy = {r["epoch"]: r["global/test_acc"] for r in rows if "global/test_acc" in r}
-    assert sorted(accuracy) == [0, 1] and all(0.0 <= a <= 1.0 for a in accuracy.values())
+    accuracy = {r["round"]: r["global/test_acc"] for r in rows if "global/test_acc" in r}
+    assert sorted(accuracy) == [1, 2] and all(0.0 <= a <= 1.0 for a in accuracy.values())
     per_round = {}
     for r in rows:  # every row carries the 1-based round, W&B's x-axis (0: the partition at fit start)
         per_round.setdefault(r["round"], {}).update(r)

@@ -41,6 +41,7 @@ from fl_lightning.analysis.objective import HVP_MODES, SubsetObjective, eval_mod
 from fl_lightning.analysis.surface import DIRECTION_KINDS, filter_normalized_direction, slice_1d, surface_2d
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import federation_of
+from fl_lightning.loggers import FLWandbLogger
 
 SURFACE_KINDS = (*DIRECTION_KINDS, "none")
 HVP_CHOICES = tuple(m for m in HVP_MODES if m != "auto")  # --analysis.hvp; "auto" is for direct use
@@ -388,7 +389,10 @@ class AnalysisCallback(L.Callback):
                 else:
                     columns, rows = value
                     payload[key] = wandb.Table(columns=columns, data=rows)
-            logger.experiment.log(payload)
+            if isinstance(logger, FLWandbLogger):
+                logger.add_to_round(payload)  # in the round's one history row
+            else:
+                logger.experiment.log(payload)
 
     def _once(self, message: str) -> None:
         if message not in self._said:
