@@ -1,0 +1,112 @@
+"""The first command to run on a machine with GPUs (scripts/gpu_check.sh): two tiny rounds of one
+method of every family through the CLI, on the CPU, then on `cuda` in 32-true, 16-mixed and
+bf16-mixed, then on two GPUs with clients in parallel (`--federation.parallel clients`), checking
+that every run ends with finite results and that 2 GPUs agree with 1. Prints a pass/fail table
+with the seconds per run. On a machine without a GPU it runs the CPU part, says so, and exits 0.
+
+    bash scripts/gpu_check.sh [--families FedAvg SCAFFOLD ...] [--root /tmp/gpu_check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+S, M = REPO / "configs" / "settings", REPO / "configs" / "methods"
+TINY = ["--config", str(S / "mnist5k.yaml"), "--data.dataset", "digits", "--data.num_clients", "8",
+        "--data.min_size", "5", "--federation.eval_local_models", "false", "--trainer.max_epochs", "2",
+        "--trainer.enable_progress_bar", "false", "--trainer.logger", "false", "--analysis.partition", "false"]
+HETERO = ["--model.init_args.model", "mlp,fedavg_cnn", "--data.client_test_fraction", "0.25"]
+FAMILIES = {  # one method per kind of local step
+    "FedAvg": [M / "fedsol" / "fedavg.yaml"],
+    "FedProx": [M / "fedsol" / "fedprox.yaml"],
+    "SCAFFOLD": [M / "fedsol" / "scaffold.yaml"],
+    "FedSAM": [M / "fedsol" / "fedsam.yaml"],
+    "FedSOL": [M / "fedsol" / "fedsol.yaml"],
+    "MOON": [M / "fedsol" / "moon.yaml"],
+    "FedDr+": [M / "feddr_cifar100" / "feddr_plus.yaml"],
+    "Ditto": [M / "feddr_cifar100" / "ditto.yaml"],
+    "FedORGP": [M / "fedorgp" / "fedorgp.yaml"],
+    "FedGen": [M / "fedorgp" / "fedgen.yaml"],
+    "FedAvg+CONST": [M / "fedsol" / "fedavg.yaml", M / "fedconst" / "const.yaml"],
+}
+
+
+def command(family: str, root: Path, accelerator: str, precision: str, devices: int) -> list[str]:
+    args = [sys.executable, "-m", "fl_lightning.cli", "fit", *TINY]
+    args[6:6] = [a for f in FAMILIES[family] for a in ("--config", str(f))]  # after the setting
+    args += HETERO if family in ("FedORGP", "FedGen") else ["--model.init_args.model", "mlp"]
+    args += ["--trainer.accelerator", accelerator, "--trainer.precision", precision,
+             "--trainer.devices", str(devices), "--trainer.default_root_dir", str(root)]
+    if devices > 1:
+        args += ["--trainer.strategy", "ddp", "--federation.parallel", "clients"]
+    return args
+
+
+def run(family: str, root: Path, accelerator: str, precision: str, devices: int = 1) -> tuple[str, float, float]:
+    """(pass/FAIL: reason, final accuracy, seconds)."""
+    start = time.perf_counter()
+    done = subprocess.run(command(family, root, accelerator, precision, devices), cwd=REPO, capture_output=True,
+                          text=True, env={**os.environ, "WANDB_MODE": "offline"})
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        return f"FAIL: exit {done.returncode}: {lines[-1] if lines else ''}", math.nan, seconds
+    summary = json.loads((root / "summary.json").read_text())
+    acc = summary.get("final_acc")
+    if not (summary.get("finished") and isinstance(acc, float) and math.isfinite(acc)):
+        return f"FAIL: outcome {summary.get('outcome')}, final accuracy {acc}", math.nan, seconds
+    return "pass", acc, seconds
+
+
+def gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
+    parser.add_argument("--root", default=None, help="where the runs go (default: a temporary directory)")
+    opts = parser.parse_args(argv)
+    root = Path(opts.root or tempfile.mkdtemp(prefix="gpu_check_"))
+    count = gpus()
+    cells = [("cpu", "32-true", 1)]
+    if count:
+        cells += [("gpu", p, 1) for p in ("32-true", "16-mixed", "bf16-mixed")]
+    if count >= 2:
+        cells += [("gpu", "32-true", 2)]
+    print(f"{'family':14s} {'device':6s} {'precision':11s} {'n':>2s}  {'result':6s} {'acc':>7s} {'s/run':>6s}")
+    failed = 0
+    for family in opts.families:
+        one_gpu = None
+        for accelerator, precision, devices in cells:
+            where = root / family.replace("+", "_") / f"{accelerator}_{precision}_{devices}"
+            result, acc, seconds = run(family, where, accelerator, precision, devices)
+            if accelerator == "gpu" and precision == "32-true":
+                if devices == 1:
+                    one_gpu = acc
+                elif result == "pass" and one_gpu is not None and abs(acc - one_gpu) > 1e-3:
+                    result = f"FAIL: 2 GPUs {acc:.4f} against 1 GPU {one_gpu:.4f}"
+            failed += result != "pass"
+            print(f"{family:14s} {accelerator:6s} {precision:11s} {devices:2d}  {result:6s} {acc:7.4f} {seconds:6.1f}",
+                  flush=True)
+    if not count:
+        print("no GPU on this machine (torch.cuda.is_available() is False): ran the CPU part only")
+    elif count < 2:
+        print("one GPU: the 2-GPU agreement check needs two")
+    print(f"{failed} failed" if failed else "all passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
