@@ -45,8 +45,9 @@ def test_fit_writes_analysis_files(fitted):
     assert spectrum["spectrum_seconds"] > 0 and spectrum["surface_seconds"] > 0
     surface = result["surface"]
     assert len(surface["loss"]) == 5 and surface["loss"][2][2] == pytest.approx(spectrum["subset_loss"])
-    for name in ("surface_loss.png", "surface_acc.png", "classwise_local.png"):
+    for name in ("surface_loss.png", "surface_acc.png", "classwise_local.png", "spectrum.png"):
         assert (out / "round_002" / name).stat().st_size > 1000
+    assert (out / "spectrum_history.png").stat().st_size > 1000  # lambda_1 and lambda_1/lambda_k over rounds
 
 
 def test_wandb_run_is_a_dashboard(fitted):

@@ -130,6 +130,7 @@ class AnalysisCallback(L.Callback):
         self._test_subset: tuple[torch.Tensor, torch.Tensor] | None = None
         self._round_start: dict[str, torch.Tensor] | None = None
         self._table_rows: list[list[float]] = []
+        self._spectrum_history: dict[str, dict[int, tuple[float, float]]] = {}  # prefix -> round -> (l1, l1/lk)
         self._said: set[str] = set()
 
     # ---- hooks --------------------------------------------------------------------------------
@@ -273,8 +274,9 @@ class AnalysisCallback(L.Callback):
         out["local_class_acc_mean"] = float(np.nanmean(local.numpy()))
         files["classwise_local"] = {"clients": [u.client for u in full], "acc": local.tolist(),
                                     "global": global_acc.tolist()}
-        image = plots.heatmap_image(local.numpy(), f"local models' class-wise accuracy, round {round_no}",
-                                    "class", "sampled client (in client-id order)", fmt="{:.2f}")
+        image = plots.heatmap_image(local.numpy(), f"{_what(trainer, round_no)}: local models' class-wise accuracy",
+                                    "class", "client id", fmt="{:.2f}", quantity="accuracy",
+                                    row_labels=[u.client for u in full], log_scale=False)
         files["classwise_local.png"] = image
         self._log_media(trainer, round_no, {"analysis/classwise_local": ("image", image)})
         return out
@@ -297,6 +299,7 @@ class AnalysisCallback(L.Callback):
             files[f"{prefix}spectrum"] = info = {**spectrum.scalars(), "top": spectrum.top, "subset_loss": loss,
                                                  "subset_acc": acc, "samples": len(y),
                                                  "spectrum_seconds": time.perf_counter() - started}
+            self._spectrum_pictures(trainer, prefix, round_no, spectrum, files)
             if self.surface != "none":
                 started = time.perf_counter()
                 self._surface(trainer, objective, spectrum, prefix, round_no, files)
@@ -304,6 +307,25 @@ class AnalysisCallback(L.Callback):
         rank_zero_info("analysis, round " + str(round_no) + ": " + ", ".join(
             f"{k} {v:.4g}" for k, v in scalars.items() if "layer" not in k and "/" not in k[len("client_0/"):]))
         return scalars
+
+    def _spectrum_pictures(self, trainer, prefix: str, round_no: int, spectrum, files: dict) -> None:
+        """This round's top-k and layer-wise lambda_1 as bars; over the run, lambda_1 and
+        lambda_1/lambda_k against rounds (analysis/<prefix>spectrum_history.png, rewritten)."""
+        scalars = spectrum.scalars()
+        layers = {k.removeprefix("layer_lambda_1/"): v for k, v in scalars.items() if k.startswith("layer_lambda_1/")}
+        name, what = prefix.replace("/", "_"), _what(trainer, round_no)
+        bars = plots.spectrum_image(list(spectrum.top), layers, f"{what}: {prefix}Hessian spectrum")
+        files[f"{name}spectrum.png"] = bars
+        k = len(spectrum.top)
+        history = self._spectrum_history.setdefault(prefix, {})
+        history[round_no] = (float(spectrum.top[0]), float(spectrum.top[0] / spectrum.top[-1]) if k > 1 else 1.0)
+        rounds = sorted(history)
+        trend = plots.spectrum_history_image(rounds, [history[r][0] for r in rounds], [history[r][1] for r in rounds],
+                                             k, f"{_what(trainer, None)}: {prefix}sharpness over rounds")
+        if trainer.is_global_zero and not self.forced:
+            plots.save_png(trend, Path(trainer.default_root_dir) / "analysis" / f"{name}spectrum_history.png")
+        self._log_media(trainer, round_no, {f"analysis/{prefix}spectrum": ("image", bars),
+                                            f"analysis/{prefix}spectrum_history": ("image", trend)})
 
     def _surface(self, trainer, objective, spectrum, prefix: str, round_no: int, files: dict) -> None:
         if self.surface == "hessian":
@@ -320,9 +342,11 @@ class AnalysisCallback(L.Callback):
         files[f"{prefix}surface"] = {"kind": surf.kind, "alphas": surf.alphas, "betas": surf.betas,
                                      "loss": surf.loss, "acc": surf.acc}
         name = prefix.replace("/", "_")
-        loss_img = plots.contour_image(surf.alphas, surf.betas, surf.loss, f"{prefix}loss, round {round_no}", *labels)
-        acc_img = plots.contour_image(surf.alphas, surf.betas, surf.acc, f"{prefix}accuracy, round {round_no}",
-                                      *labels)
+        what = _what(trainer, round_no)
+        loss_img = plots.contour_image(surf.alphas, surf.betas, surf.loss, f"{what}: {prefix}loss surface", *labels,
+                                       quantity="training-subset loss")
+        acc_img = plots.contour_image(surf.alphas, surf.betas, surf.acc, f"{what}: {prefix}accuracy surface", *labels,
+                                      quantity="training-subset accuracy", clip=False)
         files[f"{name}surface_loss.png"], files[f"{name}surface_acc.png"] = loss_img, acc_img
         self._table_rows += [[round_no, *row] for row in surf.rows()]
         media = {f"analysis/{prefix}surface_loss": ("image", loss_img),
@@ -334,7 +358,8 @@ class AnalysisCallback(L.Callback):
                 alphas, loss, acc = slice_1d(objective, d, self.surface_radius, self.surface_points)
                 curves[label] = loss
                 files.setdefault(f"{prefix}slices", {})[label] = {"alphas": alphas, "loss": loss, "acc": acc}
-            img = plots.curve_image(alphas, curves, f"{prefix}loss along each direction, round {round_no}", "step")
+            img = plots.curve_image(alphas, curves, f"{_what(trainer, round_no)}: {prefix}loss along each direction",
+                                    "step along the direction", "training-subset loss")
             files[f"{name}slices.png"] = img
             media[f"analysis/{prefix}slices"] = ("image", img)
         self._log_media(trainer, round_no, media)
@@ -343,7 +368,8 @@ class AnalysisCallback(L.Callback):
     def log_partition(self, trainer) -> None:
         dm = trainer.datamodule
         counts = partition_counts(dm.train_set.labels, dm.client_parts, dm.spec.num_classes)
-        image = plots.heatmap_image(counts, "training samples per client and class", "class", "client")
+        image = plots.heatmap_image(counts, f"{_what(trainer, None)}: training samples per client and class", "class",
+                                    "client id", quantity="training samples", row_labels=range(len(counts)))
         out = Path(trainer.default_root_dir) / "analysis"
         out.mkdir(parents=True, exist_ok=True)
         plots.save_png(image, out / "partition.png")
@@ -404,10 +430,18 @@ class AnalysisCallback(L.Callback):
         return self._generate_state_key(surface=self.surface, every_n_rounds=self.every_n_rounds)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"table_rows": self._table_rows}
+        return {"table_rows": self._table_rows, "spectrum_history": self._spectrum_history}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._table_rows = list(state_dict.get("table_rows", []))
+        self._spectrum_history = {p: dict(h) for p, h in state_dict.get("spectrum_history", {}).items()}
+
+
+def _what(trainer, round_no: int | None) -> str:
+    """A picture's title prefix: method, setting (the run directory's parent, runs/<setting>/...) and round."""
+    method = type(trainer.lightning_module).__name__
+    setting = Path(trainer.default_root_dir).resolve().parent.name
+    return f"{method}, {setting}" + (f", round {round_no}" if round_no is not None else "")
 
 
 def _on_device(trainer, subset: tuple[torch.Tensor, torch.Tensor], device) -> tuple[torch.Tensor, torch.Tensor]:

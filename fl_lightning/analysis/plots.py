@@ -22,16 +22,29 @@ def _to_array(fig: Figure) -> np.ndarray:
 
 def contour_image(alphas: Sequence[float], betas: Sequence[float], values: Sequence[Sequence[float]],
                   title: str, xlabel: str = "direction 1", ylabel: str = "direction 2",
-                  levels: int = 20) -> np.ndarray:
-    """Filled contour of values[i][j] at (alphas[i], betas[j])."""
+                  levels: int = 20, quantity: str = "loss", clip: bool = True) -> np.ndarray:
+    """Filled contour of values[i][j] at (alphas[i], betas[j]), the colorbar labelled `quantity`,
+    the model (0, 0) a red +, the grid's minimum a white star. With `clip`, a surface whose edge
+    climbs far above its basin (a loss of 52 around a basin of 2) gets levels up to its 75th
+    percentile, so the basin keeps its contours; higher values share the top colour."""
     z = np.asarray(values, dtype=np.float64).T  # rows = betas (y), columns = alphas (x)
-    fig = Figure(figsize=(5, 4), dpi=80, layout="constrained")
+    fig = Figure(figsize=(5.2, 4), dpi=80, layout="constrained")
     ax = fig.add_subplot()
     finite = z[np.isfinite(z)]
     if finite.size and finite.max() > finite.min():
-        cs = ax.contourf(alphas, betas, z, levels=levels, cmap="viridis")
-        ax.contour(alphas, betas, z, levels=levels, colors="k", linewidths=0.3)
-        fig.colorbar(cs, ax=ax)
+        low, top = finite.min(), finite.max()
+        clipped = clip and top - low > 3 * (np.percentile(finite, 75) - low) > 0
+        if clipped:
+            top = np.percentile(finite, 75)
+        bounds = np.linspace(low, top, levels + 1)
+        cs = ax.contourf(alphas, betas, z, levels=bounds, cmap="viridis", extend="max" if clipped else "neither")
+        ax.contour(alphas, betas, z, levels=bounds, colors="k", linewidths=0.3)
+        bar = fig.colorbar(cs, ax=ax)
+        bar.set_label(quantity + (f" (levels clipped at {top:.3g}; max {finite.max():.3g})" if clipped else ""))
+        i, j = np.unravel_index(np.nanargmin(np.where(np.isfinite(z), z, np.inf)), z.shape)
+        ax.plot([alphas[j]], [betas[i]], marker="*", color="w", markeredgecolor="k", markersize=11,
+                linestyle="none", label=f"minimum {z[i, j]:.3g}")
+        ax.legend(loc="upper right", fontsize=7)
     else:
         ax.imshow(z, origin="lower", extent=(alphas[0], alphas[-1], betas[0], betas[-1]), aspect="auto")
     ax.plot([0], [0], "r+")
@@ -43,8 +56,14 @@ MAX_HEATMAP_INCHES = 16.0  # at 80 dpi: 1,280 pixels
 
 
 def heatmap_image(matrix: np.ndarray, title: str, xlabel: str, ylabel: str, annotate: bool | None = None,
-                  fmt: str = "{:.0f}") -> np.ndarray:
-    """A rows x columns heatmap (clients x classes); numbers written in the cells when small."""
+                  fmt: str = "{:.0f}", quantity: str = "", row_labels: Sequence | None = None,
+                  log_scale: bool | None = None) -> np.ndarray:
+    """A rows x columns heatmap (clients x classes): the colorbar labelled `quantity`, rows named
+    `row_labels` (the real client ids), numbers written in the cells when small. The colour scale
+    is logarithmic (symlog, zero included) when one cell dominates (`log_scale` None: the largest
+    value is over 20 times the median of the non-zero ones), so a 210 does not black out the rest."""
+    from matplotlib.colors import SymLogNorm
+
     m = np.asarray(matrix, dtype=np.float64)
     rows, cols = m.shape
     # A row per client up to MAX_HEATMAP_INCHES; beyond that (1,000 clients would make a picture
@@ -53,27 +72,65 @@ def heatmap_image(matrix: np.ndarray, title: str, xlabel: str, ylabel: str, anno
     height = min(max(3.0, 0.22 * rows + 1.5), MAX_HEATMAP_INCHES)
     fig = Figure(figsize=(max(4.0, 0.45 * cols + 2), height), dpi=80, layout="constrained")
     ax = fig.add_subplot()
-    im = ax.imshow(np.ma.masked_invalid(m), aspect="auto", cmap="magma",
+    positive = m[np.isfinite(m) & (m > 0)]
+    if log_scale is None:
+        log_scale = positive.size > 0 and positive.max() > 20 * np.median(positive)
+    norm = SymLogNorm(linthresh=max(float(positive.min()), 1e-12), vmin=0.0, vmax=float(positive.max())) \
+        if log_scale else None
+    im = ax.imshow(np.ma.masked_invalid(m), aspect="auto", cmap="magma", norm=norm,
                    interpolation="nearest" if height > 0.22 * rows else "antialiased")
-    fig.colorbar(im, ax=ax)
+    fig.colorbar(im, ax=ax).set_label(quantity + (" (log scale)" if log_scale else ""))
+    if row_labels is not None and rows <= 60:
+        ax.set_yticks(range(rows), [str(r) for r in row_labels], fontsize=6 if rows > 20 else 8)
     if annotate if annotate is not None else rows * cols <= 400:
         middle = np.nanmean([np.nanmin(m), np.nanmax(m)]) if np.isfinite(m).any() else 0.0
         for i in range(rows):
             for j in range(cols):
                 if np.isfinite(m[i, j]):
+                    bright = (norm(m[i, j]) if norm is not None else (m[i, j] > middle)) > (0.5 if norm else 0)
                     ax.text(j, i, fmt.format(m[i, j]), ha="center", va="center", fontsize=6,
-                            color="k" if m[i, j] > middle else "w")
+                            color="k" if bright else "w")
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     return _to_array(fig)
 
 
-def curve_image(x: Sequence[float], ys: dict[str, Sequence[float]], title: str, xlabel: str) -> np.ndarray:
+def curve_image(x: Sequence[float], ys: dict[str, Sequence[float]], title: str, xlabel: str,
+                ylabel: str = "") -> np.ndarray:
     fig = Figure(figsize=(5, 3.5), dpi=80, layout="constrained")
     ax = fig.add_subplot()
     for label, y in ys.items():
         ax.plot(x, y, marker=".", label=label)
     ax.legend()
-    ax.set(title=title, xlabel=xlabel)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    return _to_array(fig)
+
+
+def spectrum_image(top: Sequence[float], layers: dict[str, float], title: str) -> np.ndarray:
+    """The Hessian's top-k eigenvalues, and lambda_1 of each layer's block, as bar charts."""
+    fig = Figure(figsize=(8, 3.6), dpi=80, layout="constrained")
+    left, right = fig.subplots(1, 2, width_ratios=[1, max(1.0, len(layers) / 4)])
+    left.bar([f"λ{i + 1}" for i in range(len(top))], top, color="tab:blue")
+    left.set(title="top eigenvalues", ylabel="eigenvalue")
+    if layers:
+        right.bar(list(layers), list(layers.values()), color="tab:orange")
+        right.tick_params(axis="x", labelrotation=45, labelsize=7)
+    right.set(title="λ1 of each layer's Hessian block", ylabel="eigenvalue")
+    fig.suptitle(title)
+    return _to_array(fig)
+
+
+def spectrum_history_image(rounds: Sequence[int], lambda_1: Sequence[float], ratio: Sequence[float], k: int,
+                           title: str) -> np.ndarray:
+    """lambda_1 (left axis) and lambda_1 / lambda_k (right axis) against rounds."""
+    fig = Figure(figsize=(5.5, 3.6), dpi=80, layout="constrained")
+    ax = fig.add_subplot()
+    ax.plot(rounds, lambda_1, marker="o", color="tab:blue", label="λ1")
+    ax.set(title=title, xlabel="round", ylabel="λ1 (sharpness)")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    twin = ax.twinx()
+    twin.plot(rounds, ratio, marker="s", color="tab:red", label=f"λ1 / λ{k}")
+    twin.set_ylabel(f"λ1 / λ{k}")
+    fig.legend(loc="upper left", fontsize=7)
     return _to_array(fig)
 
 
