@@ -96,13 +96,15 @@ def test_ddp_analysis_runs_on_rank_zero_only_and_writes_once(tmp_path):
     assert rank1.get("png", 0) == 0 and rank1.get("write_files", 0) == 0
 
     out = root / "analysis"
-    assert sorted(p.name for p in out.iterdir()) == ["partition.json", "partition.png", "round_001", "round_002"]
+    assert sorted(p.name for p in out.iterdir()) == ["partition.json", "partition.png", "round_001", "round_002",
+                                                    "spectrum_history.png"]
     for round_no in (1, 2):
         folder = out / f"round_{round_no:03d}"
         result = json.loads((folder / "analysis.json").read_text())
         assert result["round"] == round_no and result["spectrum"]["lambda_1"] > 0
         assert len(result["surface"]["loss"]) == 3
-        assert sorted(p.name for p in folder.iterdir()) == ["analysis.json", "classwise_local.png",
+        assert sorted(p.name for p in folder.iterdir()) == ["analysis.json", "classwise_local.png", "spectrum.png",
                                                              "surface_acc.png", "surface_loss.png"]
-    # the PNGs of both rounds and the partition, each written by rank 0 exactly once
-    assert rank0["png"] == 1 + 2 * 3
+    # the PNGs of both rounds (4 each), the partition, and the spectrum history (rewritten each
+    # analysis round), each written by rank 0 only
+    assert rank0["png"] == 1 + 2 * 4 + 2
