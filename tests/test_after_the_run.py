@@ -160,7 +160,8 @@ def test_the_wandb_run_has_one_history_row_per_round_with_its_clients_table(fitt
     assert [row["_step"] for row in rows] == [0, 1, 2]
     assert not any(k in row for row in rows for k in ("epoch", "trainer/global_step"))
     for row in rows[1:]:
-        assert "global/test_acc" in row and "train/loss" in row and "analysis/client_global_dist_mean" in row
+        assert "global/test_acc" in row and "train/loss" in row and "local/drift_mean" in row
+        assert "analysis/client_global_dist_mean" not in row  # the same number: logged once
         assert row["clients/table/_type"] == "table-file" and row["clients/table/ncols"] == 7
     assert "analysis/surface_loss/_type" in rows[2]  # media in their round's row
     definitions = [(r.metric.name, r.metric.glob_name, r.metric.step_metric) for r in records

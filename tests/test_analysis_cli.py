@@ -81,7 +81,7 @@ def test_wandb_run_is_a_dashboard(fitted):
         return any(k == prefix or k.startswith(prefix + "/") for k in by_round[r])
 
     assert by_round[2]["analysis/lambda_1"] > 0 and has(2, "analysis/surface_table") and has(2, "analysis/surface_loss")
-    assert "global/test_acc" in by_round[1] and "analysis/client_global_dist_mean" in by_round[1]
+    assert "global/test_acc" in by_round[1] and "analysis/client_global_dist_max" in by_round[1]
     assert has(1, "analysis/local_acc_hist") and has(0, "analysis/partition") and has(0, "analysis/partition_counts")
 
 

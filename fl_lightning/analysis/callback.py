@@ -247,7 +247,10 @@ class AnalysisCallback(L.Callback):
         out: dict[str, float] = {}
         updates = client_updates([u.weights for u in uploads], self._round_start or {})
         if updates is not None:
-            out.update(divergence_stats(updates))
+            stats = divergence_stats(updates)
+            # the mean is the round's `local/drift_mean` (every client's ||w_k - w_g||), logged always
+            stats.pop("client_global_dist_mean")
+            out.update(stats)
         num_classes = pl_module.hparams.data_spec.num_classes
         x, y = self.test_subset(trainer, pl_module.device)
         global_acc = classwise_accuracy(_scores(model, None, x, self.chunk_size), y, num_classes)
