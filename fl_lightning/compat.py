@@ -68,12 +68,13 @@ def skip_per_batch_sigterm_broadcast(trainer) -> None:
     loop._broadcast_sigterm_tensor = lambda: None
 
 
-def count_manual_optimizer_step(trainer) -> None:
-    """A local step taken without Lightning's optimizer wrapper still counts as one of Lightning's
-    optimizer steps (`trainer.global_step`, which loggers and `max_steps` read)."""
+def count_manual_optimizer_steps(trainer, steps: int) -> None:
+    """Local steps taken without Lightning's optimizer wrapper still count as Lightning's optimizer
+    steps (`trainer.global_step`, which loggers and `max_steps` read), `steps` at a time."""
     progress = trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
-    progress.increment_ready()
-    progress.increment_completed()
+    for tracker in (progress.total, progress.current):
+        tracker.ready += steps
+        tracker.completed += steps
 
 
 def import_object(path: str) -> Any:

@@ -16,6 +16,7 @@ accuracy is never the best.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -112,6 +113,21 @@ class Evaluation(nn.Module):
                 metric.reset()
 
 
+def fresh_evaluation(num_classes: int, per_class: bool, device: torch.device | str) -> Evaluation:
+    """An `Evaluation` with no counts, for one evaluation made by this process for itself (not
+    synced). Building torchmetrics' metrics costs about twice a small model's forward pass over 300
+    samples, and a round evaluates every client's model, so one per kind is kept and reset (the
+    evaluations run one after another, on the main thread)."""
+    metrics = _kept_evaluation(num_classes, per_class, torch.device(device))
+    metrics.reset()
+    return metrics
+
+
+@functools.lru_cache(maxsize=16)
+def _kept_evaluation(num_classes: int, per_class: bool, device: torch.device) -> Evaluation:
+    return Evaluation(num_classes, per_class).to(device)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable, num_classes: int, device: torch.device | str | None = None,
              scores: Callable[[torch.Tensor], torch.Tensor] | None = None, per_class: bool = False) -> EvalResult:
@@ -119,7 +135,7 @@ def evaluate(model: nn.Module, batches: Iterable, num_classes: int, device: torc
     its class scores are `scores(x)` if given (e.g. a method's cosine or prototype predictions
     with `model` installed), else `model(x)`."""
     device = torch.device(device) if device is not None else next(model.parameters()).device
-    metrics = Evaluation(num_classes, per_class).to(device)
+    metrics = fresh_evaluation(num_classes, per_class, device)
     forward = scores or model
     with eval_mode(model):
         for x, y in batches:

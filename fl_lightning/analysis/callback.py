@@ -40,7 +40,7 @@ from fl_lightning.analysis.hessian import hessian_spectrum
 from fl_lightning.analysis.objective import HVP_MODES, SubsetObjective, eval_mode
 from fl_lightning.analysis.surface import DIRECTION_KINDS, filter_normalized_direction, slice_1d, surface_2d
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import federation_of
+from fl_lightning.federation import federation_of, log_round_metrics
 from fl_lightning.loggers import FLWandbLogger
 
 SURFACE_KINDS = (*DIRECTION_KINDS, "none")
@@ -168,7 +168,7 @@ class AnalysisCallback(L.Callback):
             logged["perf/analysis_seconds"] = time.perf_counter() - started
         logged.update({f"analysis/{k}": float(v) for k, v in scalars.items()})
         if logged:
-            pl_module.log_dict(logged, on_step=False, on_epoch=True, batch_size=1, rank_zero_only=True)
+            log_round_metrics(trainer, logged)  # this process's (rank 0's) own values
         if due or "classwise_local" in files:
             self.write_files(trainer, round_no, scalars, files)
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from fl_lightning.evaluation import Evaluation
+from fl_lightning.evaluation import fresh_evaluation
 
 
 def client_updates(uploads: Sequence[Mapping[str, torch.Tensor]], global_params: Mapping[str, torch.Tensor],
@@ -47,7 +47,7 @@ def divergence_stats(updates: torch.Tensor) -> dict[str, float]:
 @torch.no_grad()
 def classwise_accuracy(scores: torch.Tensor, y: torch.Tensor, num_classes: int) -> torch.Tensor:
     """Accuracy per true class (NaN for a class absent from y), on the CPU."""
-    metrics = Evaluation(num_classes, per_class=True).to(scores.device)
+    metrics = fresh_evaluation(num_classes, True, scores.device)
     metrics.update(scores, y)
     return metrics.result().class_accuracy.cpu()
 

@@ -101,6 +101,39 @@ class LossContext:
     finetuning: bool = False
 
 
+class LocalSteps:
+    """The current client's step counters. A plain object, not module attributes: setting an
+    attribute of an `nn.Module` costs microseconds (it checks parameters, buffers and
+    submodules), which a small model's local step (~0.15 ms) would pay several times.
+
+    Attributes:
+        taken: local steps the current client has taken this round (`local_step`).
+        direct: of these, steps taken without Lightning's optimizer wrapper, which Lightning's
+            step counter (`trainer.global_step`) learns of when the client's training ends.
+        base_hook_ran: the base `after_optimizer_step` ran in the current step (see sgd_step).
+    """
+
+    __slots__ = ("taken", "direct", "base_hook_ran")
+
+    def __init__(self):
+        self.taken = self.direct = 0
+        self.base_hook_ran = False
+
+
+def seed_rngs(seed: int, device: torch.device) -> None:
+    """Seeds the global generators a client's training draws from: the CPU's, and the one of
+    `device` if it is an accelerator (dropout, augmentation and a method's draws on the GPU).
+    `torch.manual_seed` would also queue a lazy seed for every accelerator type torch knows but
+    this process does not use (CUDA, XPU, MTIA), formatting a stack trace for each: that alone
+    cost about as much as 5 local steps of a small model, per client."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(seed)
+    elif device.type != "cpu":
+        torch.get_device_module(device.type).manual_seed(seed)
+
+
 def _weighted_sum(values: list, sizes: list[int]) -> tuple[float, float]:
     """(sum of value * size, sum of sizes) in float64, with one device sync for all values."""
     stacked = torch.as_tensor([float(v) for v in values], dtype=torch.float64) if not all(
@@ -166,16 +199,16 @@ class FederatedMethod(L.LightningModule):
         self.round_idx = -1
         self.current_client: int | None = None
         self.current_num_samples = 0
-        self.local_step = 0  # steps the current client has taken this round
+        self.steps = LocalSteps()
         # the three homes of state (module docstring): the server's, every client's, working copies
         self.server = ServerState()
         self.client_states = ClientStateStore()
         self.copies = WorkingCopies()
         self.constraint = constraint
         self._constraint: ChannelConstraint | None = None  # this round's constraint set
-        self._base_after_step_ran = False
         self._local_logs: dict[str, tuple[list, list[int]]] = {}
         self._direct_steps = False  # see sgd_step
+        self._local_optimizer: torch.optim.Optimizer | None = None  # the torch optimizer, for direct steps
         self._gradient_clip: tuple[float, str] = (0.0, "norm")  # see clip_local_gradients
 
     # ---- optimizer ----------------------------------------------------------------------------
@@ -200,8 +233,14 @@ class FederatedMethod(L.LightningModule):
         """Momentum buffers start at zero for every client, every round, and are never uploaded."""
         self.optimizers().optimizer.state.clear()
 
+    @property
+    def local_step(self) -> int:
+        """Local steps the current client has taken this round."""
+        return self.steps.taken
+
     def on_train_start(self) -> None:
         self._direct_steps = self._steps_need_no_lightning_wrappers()
+        self._local_optimizer = self.optimizers().optimizer
         # --trainer.gradient_clip_val / _algorithm: Lightning refuses them under manual
         # optimization, so the CLI's Trainer (trainer.py:FLTrainer) keeps them for us
         self._gradient_clip = (float(getattr(self.trainer, "local_gradient_clip_val", 0.0) or 0.0),
@@ -233,7 +272,7 @@ class FederatedMethod(L.LightningModule):
         """Seeds the global RNG by (seed, round, client) as the client starts: its dropout and any
         draw a method makes during local training are the same whichever process trains it, and
         in a resumed run the same as in an uninterrupted one."""
-        torch.manual_seed(self.run_seed() * 1_000_003 + self.round_idx * 10_007 + client)
+        seed_rngs(self.run_seed() * 1_000_003 + self.round_idx * 10_007 + client, self.device)
 
     # ---- the round (each sibling implements these) ---------------------------------------------
     def round_start(self, round_idx: int, clients: list[int]) -> None:
@@ -328,9 +367,13 @@ class FederatedMethod(L.LightningModule):
         """One Trainer batch is one client: its whole local training, one `minibatch_step` per
         local mini-batch (sliced on the device by the data module). The federated callback has
         started the client before this and ends it after."""
-        convert = self.trainer.precision_plugin.convert_input  # e.g. float64 inputs for 64-true
-        for batch in self.trainer.datamodule.minibatches(work):
+        trainer = self.trainer
+        convert = trainer.precision_plugin.convert_input  # e.g. float64 inputs for 64-true
+        for batch in trainer.datamodule.minibatches(work):
             self.minibatch_step(convert(batch))
+        if self.steps.direct:
+            compat.count_manual_optimizer_steps(trainer, self.steps.direct)
+            self.steps.direct = 0
 
     def minibatch_step(self, batch) -> torch.Tensor | None:
         """One local step on one mini-batch (x, y); methods with their own step override this."""
@@ -381,26 +424,28 @@ class FederatedMethod(L.LightningModule):
         return {key: s / w for key, (s, w) in merged.items()}
 
     def sgd_step(self, loss: torch.Tensor) -> None:
-        opt = self.optimizers()
+        steps = self.steps
         if self._direct_steps:
             # one device, 32-bit, no per-step hook anyone listens to: Lightning's backward and step
             # wrappers would only dispatch empty hooks (and this module's on_before_optimizer_step,
-            # called here instead); the step counter still advances
-            opt.optimizer.zero_grad(set_to_none=True)
+            # called here instead); Lightning's step counter learns of these steps at the client's end
+            opt = self._local_optimizer
+            opt.zero_grad(set_to_none=True)
             loss.backward()
-            self.on_before_optimizer_step(opt.optimizer)
-            opt.optimizer.step()
-            compat.count_manual_optimizer_step(self.trainer)
+            self.on_before_optimizer_step(opt)
+            opt.step()
+            steps.direct += 1
         else:  # precision plugins (autocast, loss scaling), DDP and per-step callback hooks
+            opt = self.optimizers()
             opt.zero_grad(set_to_none=True)
             self.manual_backward(loss)
             opt.step()  # Lightning calls on_before_optimizer_step inside, after unscaling
-        self._base_after_step_ran = False
+        steps.base_hook_ran = False
         self.after_optimizer_step()
-        if self._constraint is not None and not self._base_after_step_ran:
+        if self._constraint is not None and not steps.base_hook_ran:
             raise RuntimeError(f"{type(self).__name__}.after_optimizer_step() must call "
                                f"super().after_optimizer_step(): it enforces the FedCONST constraint")
-        self.local_step += 1
+        steps.taken += 1
 
     def after_backward(self) -> None:
         """Hook between backward and step: gradient corrections (SCAFFOLD's c - c_i, FedSOL's
@@ -434,7 +479,7 @@ class FederatedMethod(L.LightningModule):
         """
         if self._constraint is not None:
             self._constraint.apply(self.model)
-        self._base_after_step_ran = True
+        self.steps.base_hook_ran = True
 
     def round_end(self) -> None:
         self.lr_schedulers().step()
@@ -552,7 +597,7 @@ class SharedModelMethod(FederatedMethod):
         if self.personal:
             self.load_model_part(self.personal_state(client))
         self.reset_optimizer_state()
-        self.local_step = 0
+        self.steps.taken = 0
         self.model.train()
 
     def client_end(self) -> ClientUpload:

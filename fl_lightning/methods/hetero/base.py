@@ -44,7 +44,7 @@ from torch import nn
 from fl_lightning import compat
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
-from fl_lightning.evaluation import Evaluation, eval_mode
+from fl_lightning.evaluation import Evaluation, eval_mode, fresh_evaluation
 from fl_lightning.methods.base import FederatedMethod, abstract_base
 from fl_lightning.models.base import FLModel
 from fl_lightning.models.hetero import build_group_model, client_architecture, group_members
@@ -242,7 +242,7 @@ class HeteroMethod(FederatedMethod):
         self._install(client)
         self.receive(client)
         self._bind_optimizer()
-        self.local_step = 0
+        self.steps.taken = 0
         self.model.train()
 
     def receive(self, client: int) -> None:
@@ -314,7 +314,7 @@ class HeteroMethod(FederatedMethod):
         overall = Evaluation(num_classes).to(self.device)
         per_client = []
         for client in range(self.num_clients):
-            mine = Evaluation(num_classes).to(self.device)
+            mine = fresh_evaluation(num_classes, False, self.device)
             with self.client_model(client) as model, eval_mode(model):
                 for x, y in dm.client_loader(client, "test"):
                     x, y = self.trainer.precision_plugin.convert_input(x.to(self.device)), y.to(self.device)
