@@ -168,9 +168,12 @@ class ResultsCallback(L.Callback):
             return
         with self._lock:
             columns = ["round", *sorted({k for r in self.rows for k in r} - {"round"})]
-            atomic_write_bytes(self.run_dir / "metrics.csv", _csv_text(columns, self.rows).encode())
+            # Not forced to disk each round (durable=False): the round checkpoint, written after
+            # these and forced to disk, holds their rows, and a resumed run rewrites them from it.
+            atomic_write_bytes(self.run_dir / "metrics.csv", _csv_text(columns, self.rows).encode(), durable=False)
             summary = self.summary(trainer, pl_module)
-            atomic_write_bytes(self.run_dir / "summary.json", (json.dumps(summary, indent=1) + "\n").encode())
+            atomic_write_bytes(self.run_dir / "summary.json", (json.dumps(summary, indent=1) + "\n").encode(),
+                               durable=False)
         update_wandb_summary(trainer.loggers, summary)
 
     def record_lost(self, trainer: L.Trainer, pl_module, reason: str) -> None:

@@ -277,8 +277,10 @@ class AnalysisCallback(L.Callback):
         out["local_class_acc_mean"] = float(np.nanmean(local.numpy()))
         files["classwise_local"] = {"clients": [u.client for u in full], "acc": local.tolist(),
                                     "global": global_acc.tolist()}
+        # No numbers in the cells (they are in analysis.json): drawing a hundred of them doubled the
+        # cost of a picture drawn every few rounds, in the training loop
         image = plots.heatmap_image(local.numpy(), f"{_what(trainer, round_no)}: local models' class-wise accuracy",
-                                    "class", "client id", fmt="{:.2f}", quantity="accuracy",
+                                    "class", "client id", annotate=False, quantity="accuracy",
                                     row_labels=[u.client for u in full], log_scale=False)
         files["classwise_local.png"] = image
         self._log_media(trainer, round_no, {"analysis/classwise_local": ("image", image)})
