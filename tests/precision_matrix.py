@@ -22,15 +22,21 @@ DTYPE = {"32-true": torch.float32, "64-true": torch.float64, "bf16-mixed": torch
 def two_rounds(family: str, precision: str, analyses: bool = False) -> dict:
     torch.manual_seed(0)
     name, _, extra = family.partition("+")
-    method, dm = build(name)
+    method, dm = build(name, client_test_fraction=0.25 if analyses else None)
     if extra == "CONST":
         method.constraint = "joint"
-    callbacks = [FederatedCallback(eval_local_models=False)]
+    # the local models evaluated after every client, as the CLI does by default (float32 test
+    # batches reached a float64 or bfloat16 model there)
+    callbacks = [FederatedCallback(eval_local_models=True, local_eval_samples=64)]
     if analyses:
         from fl_lightning.analysis.callback import AnalysisCallback
+        from fl_lightning.personalization import PersonalizationCallback
 
         callbacks.append(AnalysisCallback(every_n_rounds=1, samples=64, top_k=2, max_hvps=6, layer_hvps=2,
                                           surface_points=3))
+        # personalised evaluation: fine-tuning copies, the method's own personal models
+        callbacks.append(PersonalizationCallback(enabled=True, epochs=[1], objective="method", max_clients=2,
+                                                 local_only=True, local_only_epochs=1))
     trainer = L.Trainer(max_epochs=2, reload_dataloaders_every_n_epochs=1, num_sanity_val_steps=0, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         accelerator="cpu", devices=1, precision=precision, callbacks=callbacks,

@@ -2,7 +2,9 @@
 one method per family in 32-true, 64-true, bf16-mixed and bf16-true give finite results, with the
 parameters in the precision's dtype (a float32 tensor inside a float64 run was a crash or a silent
 loss of precision: the analyses' subsets, model-heterogeneous client models, FedGen's noise and
-heads, FedORGP's prototypes). The analyses run in every precision too."""
+heads, FedORGP's prototypes, and the local models' evaluation after every client, on by default).
+The analyses and personalised evaluation (fine-tuned copies, Ditto's personal models) run in every
+precision too."""
 
 import math
 
@@ -20,7 +22,7 @@ def test_a_family_runs_in_a_precision(family, precision):
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("family", ["FedAvg", "FedORGP"])
+@pytest.mark.parametrize("family", ["FedAvg", "Ditto", "FedORGP"])
 def test_the_analyses_run_in_a_precision(family, precision):
     result = two_rounds(family, precision, analyses=True)
     assert result["finite"] and math.isfinite(result["acc"])

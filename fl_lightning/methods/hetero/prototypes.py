@@ -105,7 +105,8 @@ def margin_contrastive_loss(
 ) -> torch.Tensor:
     """FedTGP's server loss: CE over negative Euclidean distances, the own class's distance
     enlarged by the adaptive margin."""
-    dist = torch.cdist(client_protos, global_protos)
+    dtype = torch.promote_types(global_protos.dtype, torch.float32)  # cdist has no bfloat16 kernel on CPU
+    dist = torch.cdist(client_protos.to(dtype), global_protos.to(dtype))
     dist = dist + margin * F.one_hot(labels, global_protos.shape[0]).to(dist.dtype)
     return F.cross_entropy(-dist, labels)
 
@@ -139,6 +140,8 @@ def train_on_pairs(
     """Server SGD on the received (prototype, class) pairs, shuffled, in batches: one step of
     loss_fn(module, batch prototypes, batch labels) per batch. Returns the last batch's loss."""
     opt = torch.optim.SGD(module.parameters(), lr=lr)
+    # the pairs in the module's dtype (uploads are >= float32; the server's module is bfloat16 under bf16-true)
+    protos = protos.to(next(module.parameters()).dtype)
     gen = torch.Generator().manual_seed(seed)
     last = float("nan")
     with torch.enable_grad():

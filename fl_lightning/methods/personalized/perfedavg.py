@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 from fl_lightning.errors import FLUserError
+from fl_lightning.evaluation import as_model_input, model_dtype
 from fl_lightning.methods.base import SharedModelMethod
 from fl_lightning.models import FLModel
 
@@ -151,7 +152,7 @@ class PerFedAvg(SharedModelMethod):
             passes = (dm.client_loader(client, "train", shuffle=True, seed=seed + i) for i in itertools.count())
             batches = itertools.chain.from_iterable(passes)
             for x, y in itertools.islice(batches, self.hparams.adapt_steps):
-                x, y = x.to(self.device), y.to(self.device)
+                x, y = as_model_input(x, self.device, model_dtype(model)), y.to(self.device)
                 opt.zero_grad(set_to_none=True)
                 F.cross_entropy(model(x), y).backward()
                 opt.step()
