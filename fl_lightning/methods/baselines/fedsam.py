@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from fl_lightning import loss_scaling
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import SharedModelMethod
 
@@ -54,7 +55,8 @@ class FedSAM(SharedModelMethod):
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         clean = F.cross_entropy(self.model(x), y)
-        grads = self.mean_across_devices(list(torch.autograd.grad(clean, params)))
+        scaler = loss_scaling.scaler_of(self._trainer)  # 16-mixed: float16 gradients scaled, as the step's
+        grads = self.mean_across_devices(list(loss_scaling.grad(clean, params, scaler)))
         eps = sam_perturbation(params, grads, self.hparams.rho, self.adaptive)
         perturbed = {n: p + e for (n, p), e in zip(named, eps, strict=True)}
         loss = F.cross_entropy(functional_call(self.model, perturbed, (x,), strict=False), y)

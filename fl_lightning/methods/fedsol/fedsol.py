@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from fl_lightning import loss_scaling
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import SharedModelMethod, abstract_base
 
@@ -239,7 +240,9 @@ class ProximalMethod(SharedModelMethod):
     def _grads(self, loss: torch.Tensor, params: list[torch.Tensor], retain_graph: bool,
                ) -> list[torch.Tensor]:
         """d loss / d params (zeros where the loss does not depend on a tensor), averaged over devices."""
-        grads = torch.autograd.grad(loss, params, retain_graph=retain_graph, allow_unused=True)
+        # through 16-mixed's loss scaler: a small L_p's float16 gradients would underflow to zero
+        grads = loss_scaling.grad(loss, params, loss_scaling.scaler_of(self._trainer), retain_graph=retain_graph,
+                                  allow_unused=True)
         grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params, strict=True)]
         return self.mean_across_devices(grads)
 
