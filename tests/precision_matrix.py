@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import collections
 import math
+import traceback
 
 import lightning as L
 import torch
 from method_digests import build
+from torch.overrides import TorchFunctionMode
 
 from fl_lightning.federation import FederatedCallback
 
@@ -17,6 +20,37 @@ FAMILIES = ("FedAvg", "FedProx", "SCAFFOLD", "FedSAM", "FedSOL", "MOON", "FedDrP
 PRECISIONS = ("32-true", "64-true", "bf16-mixed", "bf16-true")
 DTYPE = {"32-true": torch.float32, "64-true": torch.float64, "bf16-mixed": torch.float32,
          "bf16-true": torch.bfloat16}
+
+
+class HostSyncs(TorchFunctionMode):
+    """Counts, by the package's line that asked, every tensor value taken to the host (`bool`,
+    `float`, `int`, `.item()`, `.tolist()`): on a GPU each waits for the device to finish."""
+
+    TO_HOST = {torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.__int__, torch.Tensor.__index__,
+               torch.Tensor.item, torch.Tensor.tolist}
+
+    def __init__(self):
+        super().__init__()
+        self.sites: collections.Counter = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.TO_HOST:
+            ours = [f for f in traceback.extract_stack() if "/fl_lightning/" in f.filename]
+            self.sites[f"{ours[-1].filename.rpartition('/fl_lightning/')[2]}:{ours[-1].lineno}" if ours else "?"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_host_syncs(method) -> HostSyncs:
+    """Wraps `method.minibatch_step` (a whole local step: the loss, its backward, corrections,
+    the optimizer step, constraints) in a HostSyncs mode."""
+    syncs, step = HostSyncs(), method.minibatch_step
+
+    def counted(batch):
+        with syncs:
+            return step(batch)
+
+    method.minibatch_step = counted
+    return syncs
 
 
 def two_rounds(family: str, precision: str, analyses: bool = False) -> dict:
@@ -41,12 +75,14 @@ def two_rounds(family: str, precision: str, analyses: bool = False) -> dict:
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         accelerator="cpu", devices=1, precision=precision, callbacks=callbacks,
                         default_root_dir="/tmp/precision_matrix")
+    syncs = count_host_syncs(method)
     trainer.fit(method, dm)
     acc = trainer.callback_metrics.get(method.accuracy_key)
     floats = [v for v in method.state_dict().values() if v.is_floating_point()]
     return {"acc": None if acc is None else float(acc),
             "finite": all(bool(torch.isfinite(v.float()).all()) for v in floats),
-            "dtypes": {str(v.dtype) for v in method.parameters() if v.is_floating_point()}}
+            "dtypes": {str(v.dtype) for v in method.parameters() if v.is_floating_point()},
+            "host_syncs": dict(syncs.sites)}
 
 
 if __name__ == "__main__":

@@ -20,6 +20,9 @@ def test_a_family_runs_in_a_precision(family, precision):
     assert result["finite"], result
     assert result["acc"] is not None and math.isfinite(result["acc"]) and 0.0 <= result["acc"] <= 1.0
     assert result["dtypes"] == {str(DTYPE[precision])}, result["dtypes"]
+    # no local step waits for the device: no tensor value goes to the host in it (FedGen's and the
+    # prototype methods' losses read a flag per step, ProximalProjection its projection choice)
+    assert result["host_syncs"] == {}, result["host_syncs"]
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

@@ -127,13 +127,14 @@ def sol_perturbation(
 def project_out_conflict(grads: list[torch.Tensor], prox_grads: list[torch.Tensor],
                          min_grad_norm: float = 1e-8) -> tuple[list[torch.Tensor], bool]:
     """Paper eq. 3: g_l - (g_l^T g_p / g_p^T g_p) g_p if g_l^T g_p < 0, else g_l unchanged.
-    Inner products are over all the given tensors as one vector. Returns (gradients, projected?)."""
+    Inner products are over all the given tensors as one vector. Returns (gradients, projected?),
+    projected a 0-dim bool tensor: the choice stays on the device (no host sync every local step;
+    where nothing is projected the coefficient is 0 and g_l comes back exactly)."""
     dot = sum((g.float() * p.float()).sum() for g, p in zip(grads, prox_grads, strict=True))
     sq = sum((p.float() ** 2).sum() for p in prox_grads)
-    if float(sq) < min_grad_norm**2 or float(dot) >= 0:
-        return grads, False
-    coef = dot / sq
-    return [g - (coef * p).to(g.dtype) for g, p in zip(grads, prox_grads, strict=True)], True
+    projected = (sq >= min_grad_norm**2) & (dot < 0)
+    coef = torch.where(projected, dot / sq.clamp_min(torch.finfo(sq.dtype).tiny), torch.zeros_like(dot))
+    return [g - (coef * p).to(g.dtype) for g, p in zip(grads, prox_grads, strict=True)], projected
 
 
 def _cosine(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
@@ -410,8 +411,9 @@ class ProximalProjection(ProximalMethod):
         self._projection_params = params
         loss = F.cross_entropy(logits, y)
         self.sgd_step(loss)  # after_backward projects p.grad before the optimizer sees it
-        self.log_local({"train/loss": loss, "projection/prox_loss": prox,
-                        "projection/projected": float(self._projected)}, len(y))
+        projected = torch.as_tensor(self._projected, dtype=torch.float32, device=loss.device)  # no sync
+        self.log_local({"train/loss": loss, "projection/prox_loss": prox, "projection/projected": projected},
+                       len(y))
         return loss.detach()
 
     @torch.no_grad()
@@ -423,6 +425,5 @@ class ProximalProjection(ProximalMethod):
         params = self._projection_params
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         new, self._projected = project_out_conflict(grads, self._prox_grads, self.hparams.min_grad_norm)
-        if self._projected:
-            for p, g in zip(params, new, strict=True):
-                p.grad = g
+        for p, g in zip(params, new, strict=True):  # unchanged where nothing was projected
+            p.grad = g

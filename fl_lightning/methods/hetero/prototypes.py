@@ -205,6 +205,16 @@ class PrototypeMethod(HeteroMethod):
     def proto_weight(self) -> float:
         return float(self.hparams.lam)
 
+    # Whether the server has prototypes yet: read when a client starts and when the server state
+    # changes, not in every local step's loss (a device sync on a GPU).
+    def client_start(self, client: int, num_samples: int) -> None:
+        super().client_start(client, num_samples)
+        self._have_prototypes = bool(self.has_proto.any())
+
+    def apply_server_update(self, update: ServerUpdate) -> None:
+        super().apply_server_update(update)
+        self._have_prototypes = bool(self.has_proto.any())
+
     def proto_regularizer(self, feats: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -213,7 +223,7 @@ class PrototypeMethod(HeteroMethod):
         feats = model.features(x)
         loss = F.cross_entropy(model.head(feats), y)
         # the server's prototypes regularise federated local training only
-        if not context.finetuning and bool(self.has_proto.any()) and self.proto_weight() > 0:
+        if not context.finetuning and getattr(self, "_have_prototypes", False) and self.proto_weight() > 0:
             loss = loss + self.proto_weight() * self.proto_regularizer(feats, y)
         return loss
 
