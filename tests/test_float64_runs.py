@@ -71,3 +71,26 @@ def test_fedconst_holds_to_1e12_in_a_float64_run_and_a_resume_is_bit_identical(t
     centre, orth = worst_constraint_cosine(model_weights(tmp_path / "control2.ckpt"),
                                            model_weights(control / "checkpoints" / "last.ckpt"))
     assert centre > 1e-3 and orth > 1e-3
+
+
+def test_norms_and_losses_of_a_float64_run_are_taken_in_float64():
+    """FedSOL's and FedSAM's perturbation radius, ProximalProjection's coefficient and the
+    analyses' loss were computed in float32 (`.float()`) inside float64 runs: right to ~1e-8 only."""
+    from fl_lightning.analysis.objective import cross_entropy_sum
+    from fl_lightning.methods.baselines.fedsam import sam_perturbation
+    from fl_lightning.methods.fedsol.fedsol import project_out_conflict, sol_perturbation
+
+    g = torch.Generator().manual_seed(0)
+    w, grad, wg = (torch.randn(40, 30, generator=g, dtype=torch.float64) for _ in range(3))
+    (eps,) = sol_perturbation([w], [grad], [wg], rho=0.7, adaptive="none")
+    torch.testing.assert_close(eps, 0.7 * grad / (grad.norm() + 1e-12), rtol=1e-14, atol=0)
+    (eps,) = sam_perturbation([w], [grad], 0.7, adaptive=False)
+    torch.testing.assert_close(eps, 0.7 * grad / (grad.norm() + 1e-12), rtol=1e-14, atol=0)
+    conflicting = -grad + 1e-3 * w
+    (out,), projected = project_out_conflict([conflicting], [grad])
+    assert projected
+    want = conflicting - (conflicting * grad).sum() / (grad * grad).sum() * grad
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-14)
+    logits, y = torch.randn(50, 10, generator=g, dtype=torch.float64), torch.arange(50) % 10
+    torch.testing.assert_close(cross_entropy_sum(logits, y),
+                               -torch.log_softmax(logits, dim=1)[torch.arange(50), y].sum(), rtol=1e-14, atol=0)

@@ -23,15 +23,20 @@ from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import SharedModelMethod
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """`t` in at least float32 for a norm (bfloat16 -> float32; float64 stays float64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def sam_perturbation(params: list[torch.Tensor], grads: list[torch.Tensor], rho: float,
                      adaptive: bool) -> list[torch.Tensor]:
     """SAM's eps = rho g / ||g||, or ASAM's eps = rho w^2 g / || |w| g || (global norms, + 1e-12)."""
     if adaptive:
         scaled = [p.detach().abs() * g for p, g in zip(params, grads, strict=True)]
-        norm = torch.sqrt(sum((s.float() ** 2).sum() for s in scaled))
+        norm = torch.sqrt(sum((_wide(s) ** 2).sum() for s in scaled))
         return [(rho * p.detach().abs() * s / (norm + 1e-12)).to(p.dtype)
                 for p, s in zip(params, scaled, strict=True)]
-    norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads))
+    norm = torch.sqrt(sum((_wide(g) ** 2).sum() for g in grads))
     return [(rho * g / (norm + 1e-12)).to(p.dtype) for p, g in zip(params, grads, strict=True)]
 
 

@@ -108,7 +108,7 @@ def sol_perturbation(
     to rounding and normalising it would blow noise up to length rho. Adaptive Lambda is zero
     there anyway (w - w_g = 0), which the clamp below keeps from becoming 0/0.
     """
-    grad_norm = torch.sqrt(sum((g.float() ** 2).sum() for g in prox_grads))
+    grad_norm = torch.sqrt(sum((_wide(g) ** 2).sum() for g in prox_grads))
     scale = rho / (grad_norm + 1e-12) * (grad_norm >= min_grad_norm)
     eps = []
     for w, g, wg in zip(params, prox_grads, global_params, strict=True):
@@ -124,14 +124,19 @@ def sol_perturbation(
     return eps
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """`t` in at least float32 for norms and inner products (bfloat16 -> float32; float64 stays)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def project_out_conflict(grads: list[torch.Tensor], prox_grads: list[torch.Tensor],
                          min_grad_norm: float = 1e-8) -> tuple[list[torch.Tensor], bool]:
     """Paper eq. 3: g_l - (g_l^T g_p / g_p^T g_p) g_p if g_l^T g_p < 0, else g_l unchanged.
     Inner products are over all the given tensors as one vector. Returns (gradients, projected?),
     projected a 0-dim bool tensor: the choice stays on the device (no host sync every local step;
     where nothing is projected the coefficient is 0 and g_l comes back exactly)."""
-    dot = sum((g.float() * p.float()).sum() for g, p in zip(grads, prox_grads, strict=True))
-    sq = sum((p.float() ** 2).sum() for p in prox_grads)
+    dot = sum((_wide(g) * _wide(p)).sum() for g, p in zip(grads, prox_grads, strict=True))
+    sq = sum((_wide(p) ** 2).sum() for p in prox_grads)
     projected = (sq >= min_grad_norm**2) & (dot < 0)
     coef = torch.where(projected, dot / sq.clamp_min(torch.finfo(sq.dtype).tiny), torch.zeros_like(dot))
     return [g - (coef * p).to(g.dtype) for g, p in zip(grads, prox_grads, strict=True)], projected

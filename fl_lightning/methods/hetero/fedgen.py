@@ -181,10 +181,10 @@ class FedGen(LGFedAvg):
     def train_generator(self, uploads: list[ClientUpload]) -> tuple[dict, float]:
         """Trains a copy of the generator on the uploads' heads: (its new state_dict, the last loss)."""
         h, dev = self.hparams, self.device
-        counts = torch.stack([u.label_counts.to(dev) for u in uploads])
-        weights = self.teacher_weights(uploads, counts)
         generator = copy.deepcopy(self.generator)
         dtype = next(generator.parameters()).dtype  # the run's precision (float32, float64 for 64-true)
+        counts = torch.stack([u.label_counts.to(dev) for u in uploads])
+        weights = self.teacher_weights(uploads, counts).to(torch.promote_types(dtype, torch.float32))
         heads = [
             (u.weights[f"{HEAD_PREFIX}weight"].to(dev, dtype), u.weights[f"{HEAD_PREFIX}bias"].to(dev, dtype))
             for u in uploads
