@@ -77,6 +77,14 @@ def count_manual_optimizer_steps(trainer, steps: int) -> None:
         tracker.completed += steps
 
 
+def loss_scaler(trainer) -> Any:
+    """The GradScaler of the Trainer's precision plugin (`MixedPrecision.scaler`: 16-mixed on a
+    GPU, or a plugin given one), else None. Lightning scales, unscales and steps through it inside
+    `manual_backward` and `LightningOptimizer.step`; steps past those use it directly."""
+    plugin = getattr(trainer, "precision_plugin", None) if trainer is not None else None
+    return getattr(plugin, "scaler", None)
+
+
 def import_object(path: str) -> Any:
     """The class or function a dotted path names, as jsonargparse resolves `class_path`."""
     from jsonargparse._util import import_object as resolve

@@ -128,6 +128,19 @@ def _kept_evaluation(num_classes: int, per_class: bool, device: torch.device) ->
     return Evaluation(num_classes, per_class).to(device)
 
 
+def model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of `model`'s floating parameters: float64 under --trainer.precision 64-true,
+    bfloat16 under bf16-true, float32 otherwise (bf16-mixed and 16-mixed keep float32 weights)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+
+
+def as_model_input(x: torch.Tensor, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """A batch's inputs on `device`, floating inputs converted to `dtype` (the model's, see
+    `model_dtype`), as Lightning's precision plugin converts training inputs: data loaders give
+    float32, which a float64 or bfloat16 model cannot take. Integer inputs (token ids) stay."""
+    return x.to(device=device, dtype=dtype) if x.is_floating_point() else x.to(device)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, batches: Iterable, num_classes: int, device: torch.device | str | None = None,
              scores: Callable[[torch.Tensor], torch.Tensor] | None = None, per_class: bool = False) -> EvalResult:
@@ -135,11 +148,12 @@ def evaluate(model: nn.Module, batches: Iterable, num_classes: int, device: torc
     its class scores are `scores(x)` if given (e.g. a method's cosine or prototype predictions
     with `model` installed), else `model(x)`."""
     device = torch.device(device) if device is not None else next(model.parameters()).device
+    dtype = model_dtype(model)
     metrics = fresh_evaluation(num_classes, per_class, device)
     forward = scores or model
     with eval_mode(model):
         for x, y in batches:
-            x, y = x.to(device), y.to(device)
+            x, y = as_model_input(x, device, dtype), y.to(device)
             metrics.update(forward(x), y)
     return metrics.result()
 

@@ -23,7 +23,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.evaluation import evaluate
+from fl_lightning.evaluation import as_model_input, evaluate, model_dtype
 from fl_lightning.methods.base import LossContext
 
 
@@ -152,13 +152,14 @@ class PersonalizationCallback(L.Callback):
         lr = self.lr if self.lr is not None else float(pl_module.hparams.lr)
         opt = torch.optim.SGD(params, lr=lr, momentum=self.momentum, weight_decay=self.weight_decay)
         counts = torch.as_tensor(dm.client_class_counts(client), dtype=torch.float32, device=device)
+        dtype = model_dtype(model)  # float64 under 64-true, bfloat16 under bf16-true: inputs follow
         accs = []
         epoch = 0
         for target in checkpoints:
             while epoch < target:
                 model.train()
                 for x, y in dm.client_loader(client, "train", shuffle=True, seed=self.seed * 100003 + epoch):
-                    x, y = x.to(device), y.to(device)
+                    x, y = as_model_input(x, device, dtype), y.to(device)
                     if self.objective == "method":
                         loss = pl_module.loss(model, (x, y), LossContext(teacher, counts, finetuning=True))
                     else:

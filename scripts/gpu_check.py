@@ -1,8 +1,10 @@
 """The first command to run on a machine with GPUs (scripts/gpu_check.sh): two tiny rounds of one
 method of every family through the CLI, on the CPU, then on `cuda` in 32-true, 16-mixed and
 bf16-mixed, then on two GPUs with clients in parallel (`--federation.parallel clients`), checking
-that every run ends with finite results and that 2 GPUs agree with 1. Prints a pass/fail table
-with the seconds per run. On a machine without a GPU it runs the CPU part, says so, and exits 0.
+that every run ends with finite results and that 2 GPUs agree with 1 (the GPU runs in 32-true use
+deterministic algorithms where torch has them). Prints a pass/fail table with the time per local
+step (the rounds' wall time over the local steps, rank 0's on 2 GPUs) and the seconds per run
+(start-up included). On a machine without a GPU it runs the CPU part, says so, and exits 0.
 
     bash scripts/gpu_check.sh [--families FedAvg SCAFFOLD ...] [--root /tmp/gpu_check]
 """
@@ -10,6 +12,7 @@ with the seconds per run. On a machine without a GPU it runs the CPU part, says 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import os
@@ -48,23 +51,38 @@ def command(family: str, root: Path, accelerator: str, precision: str, devices: 
              "--trainer.devices", str(devices), "--trainer.default_root_dir", str(root)]
     if devices > 1:
         args += ["--trainer.strategy", "ddp", "--federation.parallel", "clients"]
+    if accelerator == "gpu" and precision == "32-true":  # compared across 1 and 2 GPUs
+        args += ["--trainer.deterministic", "warn"]
     return args
 
 
-def run(family: str, root: Path, accelerator: str, precision: str, devices: int = 1) -> tuple[str, float, float]:
-    """(pass/FAIL: reason, final accuracy, seconds)."""
+def ms_per_step(root: Path) -> float:
+    """The rounds' wall time (perf/round_seconds: local training and the server step) over the
+    local steps this process took (the checkpoint's global_step), in milliseconds."""
+    import torch
+
+    with open(root / "metrics.csv", newline="") as f:
+        seconds = sum(float(r["perf/round_seconds"]) for r in csv.DictReader(f) if r.get("perf/round_seconds"))
+    steps = torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["global_step"]
+    return 1000.0 * seconds / steps if steps else math.nan
+
+
+def run(family: str, root: Path, accelerator: str, precision: str,
+        devices: int = 1) -> tuple[str, float, float, float]:
+    """(pass/FAIL: reason, final accuracy, ms per local step, seconds)."""
     start = time.perf_counter()
+    env = {**os.environ, "WANDB_MODE": "offline", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # deterministic cuBLAS
     done = subprocess.run(command(family, root, accelerator, precision, devices), cwd=REPO, capture_output=True,
-                          text=True, env={**os.environ, "WANDB_MODE": "offline"})
+                          text=True, env=env)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         lines = [line for line in done.stderr.splitlines() if line.strip()]
-        return f"FAIL: exit {done.returncode}: {lines[-1] if lines else ''}", math.nan, seconds
+        return f"FAIL: exit {done.returncode}: {lines[-1] if lines else ''}", math.nan, math.nan, seconds
     summary = json.loads((root / "summary.json").read_text())
     acc = summary.get("final_acc")
     if not (summary.get("finished") and isinstance(acc, float) and math.isfinite(acc)):
-        return f"FAIL: outcome {summary.get('outcome')}, final accuracy {acc}", math.nan, seconds
-    return "pass", acc, seconds
+        return f"FAIL: outcome {summary.get('outcome')}, final accuracy {acc}", math.nan, math.nan, seconds
+    return "pass", acc, ms_per_step(root), seconds
 
 
 def gpus() -> int:
@@ -85,21 +103,22 @@ def main(argv: list[str] | None = None) -> int:
         cells += [("gpu", p, 1) for p in ("32-true", "16-mixed", "bf16-mixed")]
     if count >= 2:
         cells += [("gpu", "32-true", 2)]
-    print(f"{'family':14s} {'device':6s} {'precision':11s} {'n':>2s}  {'result':6s} {'acc':>7s} {'s/run':>6s}")
+    print(f"{'family':14s} {'device':6s} {'precision':11s} {'n':>2s}  {'result':6s} {'acc':>7s} {'ms/step':>8s} "
+          f"{'s/run':>6s}")
     failed = 0
     for family in opts.families:
         one_gpu = None
         for accelerator, precision, devices in cells:
             where = root / family.replace("+", "_") / f"{accelerator}_{precision}_{devices}"
-            result, acc, seconds = run(family, where, accelerator, precision, devices)
+            result, acc, step_ms, seconds = run(family, where, accelerator, precision, devices)
             if accelerator == "gpu" and precision == "32-true":
                 if devices == 1:
                     one_gpu = acc
                 elif result == "pass" and one_gpu is not None and abs(acc - one_gpu) > 1e-3:
                     result = f"FAIL: 2 GPUs {acc:.4f} against 1 GPU {one_gpu:.4f}"
             failed += result != "pass"
-            print(f"{family:14s} {accelerator:6s} {precision:11s} {devices:2d}  {result:6s} {acc:7.4f} {seconds:6.1f}",
-                  flush=True)
+            print(f"{family:14s} {accelerator:6s} {precision:11s} {devices:2d}  {result:6s} {acc:7.4f} {step_ms:8.2f} "
+                  f"{seconds:6.1f}", flush=True)
     if not count:
         print("no GPU on this machine (torch.cuda.is_available() is False): ran the CPU part only")
     elif count < 2:

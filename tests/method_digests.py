@@ -32,10 +32,14 @@ def method_names() -> list[str]:
                   and issubclass(c, FederatedMethod) and not inspect.isabstract(c))
 
 
-def build(name: str):
+def build(name: str, client_test_fraction: float | None = None):
+    """The method and its data module; `client_test_fraction` gives every client a test split
+    (model-heterogeneous methods always have one)."""
     cls = getattr(methods, name)
     hetero = issubclass(cls, methods.HeteroMethod)
     data = {**DATA, "client_test_fraction": 0.25} if hetero else dict(DATA)
+    if client_test_fraction is not None:
+        data["client_test_fraction"] = client_test_fraction
     kw = dict(model="mlp,fedavg_cnn", feature_dim=8) if hetero else dict(model="mlp", momentum=0.9, weight_decay=1e-4)
     if name in ("FML", "FedKD"):
         kw["shared_model"] = "mlp"

@@ -144,3 +144,14 @@ def test_quiet_library_notices_drop_lightnings_tips_and_its_pytree_deprecation_o
         warnings.warn("something else", UserWarning, stacklevel=1)
         _tree_flatten({"a": [1, 2]})
     assert [str(w.message) for w in caught] == ["something else"]
+
+
+def test_loss_scaler_is_the_precision_plugins_grad_scaler():
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    scaler = torch.amp.GradScaler("cpu")
+    trainer = L.Trainer(plugins=[MixedPrecision("16-mixed", device="cpu", scaler=scaler)], accelerator="cpu",
+                        logger=False, enable_checkpointing=False)
+    assert compat.loss_scaler(trainer) is scaler
+    assert compat.loss_scaler(L.Trainer(precision="bf16-mixed", accelerator="cpu", logger=False)) is None
+    assert compat.loss_scaler(None) is None

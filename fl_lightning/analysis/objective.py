@@ -27,7 +27,8 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def cross_entropy_sum(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float(), y, reduction="sum")
+    """In at least float32 (bfloat16 logits are widened; a float64 run's analyses stay float64)."""
+    return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), y, reduction="sum")
 
 
 @contextlib.contextmanager

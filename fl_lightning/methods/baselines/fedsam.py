@@ -18,8 +18,14 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from fl_lightning import loss_scaling
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import SharedModelMethod
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """`t` in at least float32 for a norm (bfloat16 -> float32; float64 stays float64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def sam_perturbation(params: list[torch.Tensor], grads: list[torch.Tensor], rho: float,
@@ -27,10 +33,10 @@ def sam_perturbation(params: list[torch.Tensor], grads: list[torch.Tensor], rho:
     """SAM's eps = rho g / ||g||, or ASAM's eps = rho w^2 g / || |w| g || (global norms, + 1e-12)."""
     if adaptive:
         scaled = [p.detach().abs() * g for p, g in zip(params, grads, strict=True)]
-        norm = torch.sqrt(sum((s.float() ** 2).sum() for s in scaled))
+        norm = torch.sqrt(sum((_wide(s) ** 2).sum() for s in scaled))
         return [(rho * p.detach().abs() * s / (norm + 1e-12)).to(p.dtype)
                 for p, s in zip(params, scaled, strict=True)]
-    norm = torch.sqrt(sum((g.float() ** 2).sum() for g in grads))
+    norm = torch.sqrt(sum((_wide(g) ** 2).sum() for g in grads))
     return [(rho * g / (norm + 1e-12)).to(p.dtype) for p, g in zip(params, grads, strict=True)]
 
 
@@ -54,7 +60,8 @@ class FedSAM(SharedModelMethod):
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         clean = F.cross_entropy(self.model(x), y)
-        grads = self.mean_across_devices(list(torch.autograd.grad(clean, params)))
+        scaler = loss_scaling.scaler_of(self._trainer)  # 16-mixed: float16 gradients scaled, as the step's
+        grads = self.mean_across_devices(list(loss_scaling.grad(clean, params, scaler)))
         eps = sam_perturbation(params, grads, self.hparams.rho, self.adaptive)
         perturbed = {n: p + e for (n, p), e in zip(named, eps, strict=True)}
         loss = F.cross_entropy(functional_call(self.model, perturbed, (x,), strict=False), y)

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
+from fl_lightning import loss_scaling
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import SharedModelMethod, abstract_base
 
@@ -107,7 +108,7 @@ def sol_perturbation(
     to rounding and normalising it would blow noise up to length rho. Adaptive Lambda is zero
     there anyway (w - w_g = 0), which the clamp below keeps from becoming 0/0.
     """
-    grad_norm = torch.sqrt(sum((g.float() ** 2).sum() for g in prox_grads))
+    grad_norm = torch.sqrt(sum((_wide(g) ** 2).sum() for g in prox_grads))
     scale = rho / (grad_norm + 1e-12) * (grad_norm >= min_grad_norm)
     eps = []
     for w, g, wg in zip(params, prox_grads, global_params, strict=True):
@@ -123,16 +124,22 @@ def sol_perturbation(
     return eps
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """`t` in at least float32 for norms and inner products (bfloat16 -> float32; float64 stays)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def project_out_conflict(grads: list[torch.Tensor], prox_grads: list[torch.Tensor],
                          min_grad_norm: float = 1e-8) -> tuple[list[torch.Tensor], bool]:
     """Paper eq. 3: g_l - (g_l^T g_p / g_p^T g_p) g_p if g_l^T g_p < 0, else g_l unchanged.
-    Inner products are over all the given tensors as one vector. Returns (gradients, projected?)."""
-    dot = sum((g.float() * p.float()).sum() for g, p in zip(grads, prox_grads, strict=True))
-    sq = sum((p.float() ** 2).sum() for p in prox_grads)
-    if float(sq) < min_grad_norm**2 or float(dot) >= 0:
-        return grads, False
-    coef = dot / sq
-    return [g - (coef * p).to(g.dtype) for g, p in zip(grads, prox_grads, strict=True)], True
+    Inner products are over all the given tensors as one vector. Returns (gradients, projected?),
+    projected a 0-dim bool tensor: the choice stays on the device (no host sync every local step;
+    where nothing is projected the coefficient is 0 and g_l comes back exactly)."""
+    dot = sum((_wide(g) * _wide(p)).sum() for g, p in zip(grads, prox_grads, strict=True))
+    sq = sum((_wide(p) ** 2).sum() for p in prox_grads)
+    projected = (sq >= min_grad_norm**2) & (dot < 0)
+    coef = torch.where(projected, dot / sq.clamp_min(torch.finfo(sq.dtype).tiny), torch.zeros_like(dot))
+    return [g - (coef * p).to(g.dtype) for g, p in zip(grads, prox_grads, strict=True)], projected
 
 
 def _cosine(a: list[torch.Tensor], b: list[torch.Tensor]) -> torch.Tensor:
@@ -239,7 +246,9 @@ class ProximalMethod(SharedModelMethod):
     def _grads(self, loss: torch.Tensor, params: list[torch.Tensor], retain_graph: bool,
                ) -> list[torch.Tensor]:
         """d loss / d params (zeros where the loss does not depend on a tensor), averaged over devices."""
-        grads = torch.autograd.grad(loss, params, retain_graph=retain_graph, allow_unused=True)
+        # through 16-mixed's loss scaler: a small L_p's float16 gradients would underflow to zero
+        grads = loss_scaling.grad(loss, params, loss_scaling.scaler_of(self._trainer), retain_graph=retain_graph,
+                                  allow_unused=True)
         grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params, strict=True)]
         return self.mean_across_devices(grads)
 
@@ -407,8 +416,9 @@ class ProximalProjection(ProximalMethod):
         self._projection_params = params
         loss = F.cross_entropy(logits, y)
         self.sgd_step(loss)  # after_backward projects p.grad before the optimizer sees it
-        self.log_local({"train/loss": loss, "projection/prox_loss": prox,
-                        "projection/projected": float(self._projected)}, len(y))
+        projected = torch.as_tensor(self._projected, dtype=torch.float32, device=loss.device)  # no sync
+        self.log_local({"train/loss": loss, "projection/prox_loss": prox, "projection/projected": projected},
+                       len(y))
         return loss.detach()
 
     @torch.no_grad()
@@ -420,6 +430,5 @@ class ProximalProjection(ProximalMethod):
         params = self._projection_params
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         new, self._projected = project_out_conflict(grads, self._prox_grads, self.hparams.min_grad_norm)
-        if self._projected:
-            for p, g in zip(params, new, strict=True):
-                p.grad = g
+        for p, g in zip(params, new, strict=True):  # unchanged where nothing was projected
+            p.grad = g

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fl_lightning.errors import FLUserError
+from fl_lightning.evaluation import as_model_input, model_dtype
 from fl_lightning.methods.base import LossContext, SharedModelMethod, abstract_base
 from fl_lightning.models import FLModel, build_model
 from fl_lightning.uploads import ClientUpload
@@ -168,7 +169,7 @@ class FrozenClassifierMethod(SharedModelMethod):
         counts: dict[str, int] = {}
         v = self.classifier_vectors().detach()
         for x, y in self._analysis_loader:
-            x, y = x.to(self.device), y.to(self.device)
+            x, y = as_model_input(x, self.device, model_dtype(self.model)), y.to(self.device)
             f, fg = self.model.features(x).float(), self.global_model.features(x).float()
             align = F.cosine_similarity(f, v[y].float(), dim=1)
             dist = (f - fg).norm(dim=1)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 
+from fl_lightning.evaluation import as_model_input, model_dtype
 from fl_lightning.methods.base import LossContext
 from fl_lightning.methods.frozen.base import FrozenClassifierMethod
 from fl_lightning.models import FLModel
@@ -33,8 +34,9 @@ def feature_label_statistics(model: FLModel, loader, num_classes: int,
     d = model.feature_dim
     gram = torch.zeros(d, d, dtype=torch.float64, device=device)
     cross = torch.zeros(d, num_classes, dtype=torch.float64, device=device)
+    dtype = model_dtype(model)
     for x, y in loader:
-        h = F.normalize(model.features(x.to(device)).double(), dim=1)
+        h = F.normalize(model.features(as_model_input(x, device, dtype)).double(), dim=1)
         gram += h.T @ h
         cross += h.T @ F.one_hot(y.to(device), num_classes).double()
     model.train(was_training)

@@ -142,11 +142,21 @@ class FedGen(LGFedAvg):
     def label_distribution(self) -> torch.Tensor:
         return self.server["client_label_counts"].sum(0)
 
+    # Whether the server's generator has been trained: read when a client starts and when the
+    # server state changes, not in every local step's loss (a device sync on a GPU).
+    def client_start(self, client: int, num_samples: int) -> None:
+        super().client_start(client, num_samples)
+        self._generator_ready = bool(self.server["generator_trained"])
+
+    def apply_server_update(self, update: ServerUpdate) -> None:
+        super().apply_server_update(update)
+        self._generator_ready = bool(self.server["generator_trained"])
+
     def loss(self, model, batch, context: LossContext) -> torch.Tensor:
         x, y = batch
         loss = F.cross_entropy(model(x), y)
         # the server's generator regularises federated local training only
-        if not context.finetuning and bool(self.server["generator_trained"]) and self.hparams.gen_weight > 0:
+        if not context.finetuning and getattr(self, "_generator_ready", False) and self.hparams.gen_weight > 0:
             # Drawn from the global RNG, which client_start seeds per (seed, round, client).
             labels = torch.multinomial(self.label_distribution(), len(y), replacement=True)
             noise = torch.rand(len(y), self.hparams.noise_dim, device=y.device).to(model.head.weight.dtype)
@@ -171,10 +181,10 @@ class FedGen(LGFedAvg):
     def train_generator(self, uploads: list[ClientUpload]) -> tuple[dict, float]:
         """Trains a copy of the generator on the uploads' heads: (its new state_dict, the last loss)."""
         h, dev = self.hparams, self.device
-        counts = torch.stack([u.label_counts.to(dev) for u in uploads])
-        weights = self.teacher_weights(uploads, counts)
         generator = copy.deepcopy(self.generator)
         dtype = next(generator.parameters()).dtype  # the run's precision (float32, float64 for 64-true)
+        counts = torch.stack([u.label_counts.to(dev) for u in uploads])
+        weights = self.teacher_weights(uploads, counts).to(torch.promote_types(dtype, torch.float32))
         heads = [
             (u.weights[f"{HEAD_PREFIX}weight"].to(dev, dtype), u.weights[f"{HEAD_PREFIX}bias"].to(dev, dtype))
             for u in uploads

@@ -105,7 +105,8 @@ def margin_contrastive_loss(
 ) -> torch.Tensor:
     """FedTGP's server loss: CE over negative Euclidean distances, the own class's distance
     enlarged by the adaptive margin."""
-    dist = torch.cdist(client_protos, global_protos)
+    dtype = torch.promote_types(global_protos.dtype, torch.float32)  # cdist has no bfloat16 kernel on CPU
+    dist = torch.cdist(client_protos.to(dtype), global_protos.to(dtype))
     dist = dist + margin * F.one_hot(labels, global_protos.shape[0]).to(dist.dtype)
     return F.cross_entropy(-dist, labels)
 
@@ -139,6 +140,8 @@ def train_on_pairs(
     """Server SGD on the received (prototype, class) pairs, shuffled, in batches: one step of
     loss_fn(module, batch prototypes, batch labels) per batch. Returns the last batch's loss."""
     opt = torch.optim.SGD(module.parameters(), lr=lr)
+    # the pairs in the module's dtype (uploads are >= float32; the server's module is bfloat16 under bf16-true)
+    protos = protos.to(next(module.parameters()).dtype)
     gen = torch.Generator().manual_seed(seed)
     last = float("nan")
     with torch.enable_grad():
@@ -202,6 +205,16 @@ class PrototypeMethod(HeteroMethod):
     def proto_weight(self) -> float:
         return float(self.hparams.lam)
 
+    # Whether the server has prototypes yet: read when a client starts and when the server state
+    # changes, not in every local step's loss (a device sync on a GPU).
+    def client_start(self, client: int, num_samples: int) -> None:
+        super().client_start(client, num_samples)
+        self._have_prototypes = bool(self.has_proto.any())
+
+    def apply_server_update(self, update: ServerUpdate) -> None:
+        super().apply_server_update(update)
+        self._have_prototypes = bool(self.has_proto.any())
+
     def proto_regularizer(self, feats: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
@@ -210,7 +223,7 @@ class PrototypeMethod(HeteroMethod):
         feats = model.features(x)
         loss = F.cross_entropy(model.head(feats), y)
         # the server's prototypes regularise federated local training only
-        if not context.finetuning and bool(self.has_proto.any()) and self.proto_weight() > 0:
+        if not context.finetuning and getattr(self, "_have_prototypes", False) and self.proto_weight() > 0:
             loss = loss + self.proto_weight() * self.proto_regularizer(feats, y)
         return loss
 

@@ -44,6 +44,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
+from fl_lightning import loss_scaling
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import SharedModelMethod
 from fl_lightning.models import FLModel
@@ -90,16 +91,28 @@ class Ditto(SharedModelMethod):
         return F.cross_entropy(self.personal_track(x), y) + 0.5 * self.hparams.lam * prox
 
     def personal_step(self, batch) -> torch.Tensor:
+        """One step of v_k with its own optimizer. It runs inside the local training, under the
+        precision's autocast, so with 16-mixed on a GPU it goes through the run's GradScaler as
+        the global track's step does: scaled backward (float16 gradients do not underflow),
+        unscaled before clipping, skipped with the scale lowered when a gradient is inf/NaN (the
+        scale is shared with the global track, so it is updated twice per local batch)."""
         loss = self.personal_loss(batch)
         opt = self._personal_opt
+        scaler = loss_scaling.scaler_of(self._trainer)
         opt.zero_grad(set_to_none=True)
-        # plain backward: this optimizer is not Lightning's (no loss scaling to undo)
-        loss.backward()
+        (loss if scaler is None else scaler.scale(loss)).backward()
         params = [p for p in self.personal_track.parameters() if p.grad is not None]
+        # averaged before unscaling: every process then finds the same inf/NaN and skips together
         for p, g in zip(params, self.mean_across_devices([p.grad for p in params]), strict=True):
             p.grad = g
-        self.clip_local_gradients(opt)  # --trainer.gradient_clip_val, as on the global track
-        opt.step()
+        if scaler is None:
+            self.clip_local_gradients(opt)  # --trainer.gradient_clip_val, as on the global track
+            opt.step()
+        else:
+            scaler.unscale_(opt)
+            self.clip_local_gradients(opt)
+            scaler.step(opt)  # skipped when the unscaled gradients hold inf/NaN
+            scaler.update()
         return loss.detach()
 
     def minibatch_step(self, batch):

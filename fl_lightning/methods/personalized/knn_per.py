@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from fl_lightning.errors import FLUserError
+from fl_lightning.evaluation import as_model_input, model_dtype
 from fl_lightning.methods.baselines.fedavg import FedAvg
 from fl_lightning.models import FLModel
 
@@ -66,7 +67,8 @@ def knn_probabilities(queries: torch.Tensor, keys: torch.Tensor, labels: torch.T
     """p_kNN(. | x) for each row of `queries` (B, D) from the datastore (`keys` (N, D), `labels`
     (N,)): the k nearest keys (all N if N < k), each weighted by exp(-d / T), normalised."""
     # exact pairwise differences (no |a|^2 + |b|^2 - 2ab shortcut, which loses digits)
-    dist = torch.cdist(queries, keys, compute_mode="donot_use_mm_for_euclid_dist")
+    dtype = torch.promote_types(keys.dtype, torch.float32)  # cdist has no bfloat16 kernel on CPU (bf16-true)
+    dist = torch.cdist(queries.to(dtype), keys.to(dtype), compute_mode="donot_use_mm_for_euclid_dist")
     if distance == "squared":
         dist = dist.square()
     near_dist, near_idx = dist.topk(min(k, keys.shape[0]), dim=1, largest=False)
@@ -167,7 +169,7 @@ class KNNPer(FedAvg):
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             feats, labels = [], []
             for x, y in dm.client_loader(client, "train", shuffle=False, augment=False):
-                feats.append(model.features(x.to(self.device)))
+                feats.append(model.features(as_model_input(x, self.device, model_dtype(model))))
                 labels.append(y.to(self.device))
         keys, labels = torch.cat(feats), torch.cat(labels)
         lam = self.lam if self.lam_grid is None else self.select_lambda(model, keys, labels, client)

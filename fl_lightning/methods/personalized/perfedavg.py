@@ -53,7 +53,9 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from fl_lightning import loss_scaling
 from fl_lightning.errors import FLUserError
+from fl_lightning.evaluation import as_model_input, model_dtype
 from fl_lightning.methods.base import SharedModelMethod
 from fl_lightning.models import FLModel
 
@@ -103,7 +105,7 @@ class PerFedAvg(SharedModelMethod):
         if keep_buffers:
             tensors.update({n: b.clone() for n, b in self.model.named_buffers()})
         loss = F.cross_entropy(functional_call(self.model, tensors, (x,), strict=False), y)
-        grads = torch.autograd.grad(loss, list(leaves.values()))
+        grads = loss_scaling.grad(loss, list(leaves.values()), loss_scaling.scaler_of(self._trainer))
         return dict(zip(leaves, self.mean_across_devices(list(grads)), strict=True))
 
     def hessian_vector_product(self, v: dict[str, torch.Tensor], x, y) -> dict[str, torch.Tensor]:
@@ -125,7 +127,7 @@ class PerFedAvg(SharedModelMethod):
         outer = F.cross_entropy(functional_call(self.model, temp, (x2,), strict=False), y2)
         if self.hparams.variant == "fo":
             return outer, outer
-        g2 = torch.autograd.grad(outer, list(w.values()), retain_graph=True)
+        g2 = loss_scaling.grad(outer, list(w.values()), loss_scaling.scaler_of(self._trainer), retain_graph=True)
         g2 = dict(zip(w, self.mean_across_devices([g.detach() for g in g2]), strict=True))
         hv = self.hessian_vector_product(g2, x1, y1)
         correction = sum((p * hv[n]).sum() for n, p in w.items())  # gradient: hv
@@ -151,7 +153,7 @@ class PerFedAvg(SharedModelMethod):
             passes = (dm.client_loader(client, "train", shuffle=True, seed=seed + i) for i in itertools.count())
             batches = itertools.chain.from_iterable(passes)
             for x, y in itertools.islice(batches, self.hparams.adapt_steps):
-                x, y = x.to(self.device), y.to(self.device)
+                x, y = as_model_input(x, self.device, model_dtype(model)), y.to(self.device)
                 opt.zero_grad(set_to_none=True)
                 F.cross_entropy(model(x), y).backward()
                 opt.step()
