@@ -240,10 +240,19 @@ class FederatedCallback(L.Callback):
         if collective.distributed:
             # One gather of what every process saw: every process takes the same decision below,
             # and the round's logged means are over every client, whichever process trained it.
-            parts = collective.gather({"rows": rows, "diverged": diverged_at, "logs": local_logs})
+            scaler = compat.loss_scaler(trainer)
+            scaler_state = scaler.state_dict() if scaler is not None and scaler.is_enabled() else None
+            parts = collective.gather({"rows": rows, "diverged": diverged_at, "logs": local_logs,
+                                       "scaler": scaler_state})
             rows = [r for p in parts for r in p["rows"]]
             diverged_at = min((p["diverged"] for p in parts if p["diverged"]), default=None)
             local_logs = [p["logs"][0] for p in parts]
+            if scaler_state is not None:
+                # 16-mixed's loss scale: each process's scaler saw only its own clients' steps, so
+                # the processes agree on the smallest scale (and step count towards growing it)
+                # any of them reached; the next round, and the checkpoint (rank 0's), continue alike
+                scaler.load_state_dict({**scaler_state, **{key: min(p["scaler"][key] for p in parts)
+                                                          for key in ("scale", "_growth_tracker")}})
         rows.sort(key=lambda r: r["client"])
         self.round_report.clients = rows
         skipped = [int(r["client"]) for r in rows if r["skipped"]]

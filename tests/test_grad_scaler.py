@@ -248,3 +248,7 @@ def test_clients_in_parallel_on_two_processes_step_the_same_under_the_scaler(tmp
         scaled, plain = (torch.load(tmp_path / f"{name}_{kind}.pt", weights_only=False) for kind in ("scaled", "plain"))
         assert scaled["scale"] == 2.0**16 and scaled["world_size"] == 2 and scaled["states"]
         assert_same_states(scaled["states"], plain["states"])
+    # a step that overflowed on rank 1 alone: both processes end the round with rank 1's lowered
+    # scale (the checkpoint holds rank 0's scaler, so they must agree for a resume to continue alike)
+    rank0, rank1 = torch.load(tmp_path / "overflow_scalers.pt", weights_only=False)
+    assert rank1["scale"] == 2.0**15 and rank0 == rank1
