@@ -140,9 +140,9 @@ def update_wandb_summary(loggers, summary: Mapping[str, Any]) -> None:
             logger.experiment.summary.update(values)
 
 
-# How the command was run (which checkpoint, replace the directory, unpickling), not what the run
-# computes: not part of the W&B run's config.
-COMMAND_KEYS = ("overwrite", "ckpt_path", "weights_only")
+# How the command was run (which checkpoint, replace the directory, unpickling, validate/test's
+# printed table), not what the run computes: not part of the W&B run's config.
+COMMAND_KEYS = ("overwrite", "ckpt_path", "weights_only", "verbose")
 
 
 def without_internal_keys(config: Mapping[str, Any]) -> dict[str, Any]:
