@@ -79,3 +79,25 @@ def test_a_pictures_title_names_the_setting_not_the_directory(tmp_path):
     assert _what(trainer, 7) == "FedSOL, fedsol_cifar10, round 7"
     trainer.loggers = []  # no W&B logger: the data it trains on
     assert _what(trainer, None) == "FedSOL, digits dirichlet"
+
+
+def test_heatmap_rows_are_the_real_client_ids_and_the_colorbar_names_its_quantity():
+    counts = np.tile(np.arange(10.0), (3, 1))
+    counts[1, 4] = 210.0
+    fig = plots.heatmap_figure(counts, "t", "class", "client id", quantity="training samples", row_labels=[7, 12, 40])
+    ax, bar = fig.axes
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["7", "12", "40"]  # not 0, 1, 2
+    assert bar.get_ylabel() == "training samples (log scale)"  # 210 against a median of 5
+    assert [t.get_text() for t in ax.get_xticklabels()] == [str(c) for c in range(10)]  # every class
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("class", "client id")
+
+
+def test_slices_have_axis_labels_and_name_their_directions():
+    curves = {"top-1 Hessian eigenvector": [3, 2, 3], "top-2 Hessian eigenvector": [2, 2, 4]}
+    fig = plots.curve_figure([-1, 0, 1], curves,
+                             "FedSOL, mnist5k, round 4: loss along each direction", "step along the direction",
+                             "training-subset loss")
+    ax = fig.axes[0]
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("step along the direction", "training-subset loss")
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["top-1 Hessian eigenvector",
+                                                                    "top-2 Hessian eigenvector"]

@@ -65,9 +65,14 @@ def contour_figure(alphas: Sequence[float], betas: Sequence[float], values: Sequ
 MAX_HEATMAP_INCHES = 16.0  # at 80 dpi: 1,280 pixels
 
 
-def heatmap_image(matrix: np.ndarray, title: str, xlabel: str, ylabel: str, annotate: bool | None = None,
-                  fmt: str = "{:.0f}", quantity: str = "", row_labels: Sequence | None = None,
-                  log_scale: bool | None = None) -> np.ndarray:
+def heatmap_image(*args, **kwargs) -> np.ndarray:
+    """`heatmap_figure` as an RGB array."""
+    return _to_array(heatmap_figure(*args, **kwargs))
+
+
+def heatmap_figure(matrix: np.ndarray, title: str, xlabel: str, ylabel: str, annotate: bool | None = None,
+                   fmt: str = "{:.0f}", quantity: str = "", row_labels: Sequence | None = None,
+                   log_scale: bool | None = None) -> Figure:
     """A rows x columns heatmap (clients x classes): the colorbar labelled `quantity`, rows named
     `row_labels` (the real client ids), numbers written in the cells when small. The colour scale
     is logarithmic (symlog, zero included) when one cell dominates (`log_scale` None: the largest
@@ -100,19 +105,27 @@ def heatmap_image(matrix: np.ndarray, title: str, xlabel: str, ylabel: str, anno
                     bright = (norm(m[i, j]) if norm is not None else (m[i, j] > middle)) > (0.5 if norm else 0)
                     ax.text(j, i, fmt.format(m[i, j]), ha="center", va="center", fontsize=6,
                             color="k" if bright else "w")
+    if cols <= 30:
+        ax.set_xticks(range(cols))  # every class, not every other one
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    return _to_array(fig)
+    return fig
 
 
-def curve_image(x: Sequence[float], ys: dict[str, Sequence[float]], title: str, xlabel: str,
-                ylabel: str = "") -> np.ndarray:
+def curve_image(*args, **kwargs) -> np.ndarray:
+    """`curve_figure` as an RGB array."""
+    return _to_array(curve_figure(*args, **kwargs))
+
+
+def curve_figure(x: Sequence[float], ys: dict[str, Sequence[float]], title: str, xlabel: str,
+                 ylabel: str = "") -> Figure:
+    """One line per entry of `ys` against `x` (slices.png: the loss along each direction)."""
     fig = Figure(figsize=(5, 3.5), dpi=80, layout="constrained")
     ax = fig.add_subplot()
     for label, y in ys.items():
         ax.plot(x, y, marker=".", label=label)
     ax.legend()
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    return _to_array(fig)
+    return fig
 
 
 def spectrum_image(top: Sequence[float], layers: dict[str, float], title: str) -> np.ndarray:
