@@ -173,6 +173,15 @@ def test_the_wandb_run_has_one_history_row_per_round_with_its_clients_table(fitt
         assert "analysis/client_global_dist_mean" not in row  # the same number: logged once
         assert row["clients/table/_type"] == "table-file" and row["clients/table/ncols"] == 7
     assert "analysis/surface_loss/_type" in rows[2]  # media in their round's row
+    # the clients table of each round holds clients.csv's rows of that round
+    from fl_lightning.results import read_metrics
+
+    csv_rows = read_metrics(fitted / "clients.csv")
+    for row in rows[1:]:
+        table = json.loads((files[-1].parent / "files" / row["clients/table/path"]).read_text())
+        assert table["columns"] == ["client", "samples", "local_acc", "local_loss", "drift", "train_loss", "skipped"]
+        mine = [[r[c] for c in table["columns"]] for r in csv_rows if r["round"] == row["round"]]
+        assert len(mine) == 2 and [[pytest.approx(v) for v in r] for r in table["data"]] == mine
     definitions = [(r.metric.name, r.metric.glob_name, r.metric.step_metric) for r in records
                    if r.WhichOneof("record_type") == "metric"]
     assert definitions == [("round", "", ""), ("", "*", "round")]
