@@ -101,6 +101,39 @@ def difference(row: dict[tuple, float], base: dict[tuple, float], level: float =
     return Difference(mean, mean - half, mean + half, "Welch t", min(len(a), len(b)))
 
 
+def mean_curve(runs: list[dict[int, float]]) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """The rounds any of `runs` reached, and the mean and std (ddof 0) over the runs at each, in %."""
+    rounds = sorted(set().union(*runs)) if runs else []
+    values = [[100 * c[r] for c in runs if r in c] for r in rounds]
+    return rounds, np.array([np.mean(v) for v in values]), np.array([np.std(v) for v in values])
+
+
+def log_report_to_wandb(curves: dict[str, list[dict[int, float]]], png: Path, title: str, headers: list[str],
+                        rows: list[list[str]], top: Path, project: str = "fl-lightning") -> str:
+    """The report as a W&B run of its own (job_type report, named `report/<directory>`, its files under
+    `<directory>/wandb/`): the learning curves as a native line plot (the mean over seeds, one line
+    per row; `report/curves`), the PNG with its ± std bands, and the table. Returns the run's URL
+    (empty offline)."""
+    import wandb
+
+    run = wandb.init(project=project, job_type="report", name=f"report/{top.resolve().name}", dir=str(top),
+                     config={"directory": str(top.resolve())}, reinit="create_new")
+    try:
+        lines = [(label, *mean_curve(runs)) for label, runs in curves.items()]
+        lines = [(label, rounds, mean) for label, rounds, mean, _ in lines if rounds]
+        payload: dict = {"report/table": wandb.Table(columns=headers, data=rows),
+                         "report/curves_png": wandb.Image(str(png))}
+        if lines:
+            payload["report/curves"] = wandb.plot.line_series(
+                xs=[rounds for _, rounds, _ in lines], ys=[mean.tolist() for _, _, mean in lines],
+                keys=[label for label, _, _ in lines], title=title, xname="round")
+        run.log(payload)
+        return run.url or ""
+    finally:
+        run.finish()
+        wandb.teardown()  # the run's file is complete when report returns (see lightning_cli.finish_wandb)
+
+
 def curves_png(curves: dict[str, list[dict[int, float]]], path: Path, title: str,
                ylabel: str = "global test accuracy") -> None:
     """One line per label (mean over its runs' curves, in %) with a ± one std band."""
@@ -112,12 +145,9 @@ def curves_png(curves: dict[str, list[dict[int, float]]], path: Path, title: str
 
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     for label, runs in curves.items():
-        rounds = sorted(set().union(*runs)) if runs else []
+        rounds, mean, std = mean_curve(runs)
         if not rounds:
             continue
-        values = [[100 * c[r] for c in runs if r in c] for r in rounds]
-        mean = np.array([np.mean(v) for v in values])
-        std = np.array([np.std(v) for v in values])
         (line,) = ax.plot(rounds, mean, label=f"{label} (n={len(runs)})")
         ax.fill_between(rounds, mean - std, mean + std, color=line.get_color(), alpha=0.2, linewidth=0)
     ax.set_xlabel("round")

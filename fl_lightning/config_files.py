@@ -34,11 +34,36 @@ def _read(path: Path):
 
 
 def _missing(path: str) -> FLUserError:
+    """One line for a --config file that does not exist, naming the file of that name under
+    configs/ (the working directory's, else the package's) or, for a name of the former
+    one-file-per-experiment configs, the command that runs that experiment now."""
     name = Path(path).name
     roots = [Path("configs"), Path(__file__).resolve().parents[1] / "configs"]
-    found = sorted({os.path.relpath(p) for root in roots if root.is_dir() for p in root.rglob(name)})
-    hint = f"; did you mean {' or '.join(found[:3])}?" if found else ""
-    return FLUserError(f"--config {path}: no such file{hint}")
+    found: dict[Path, str] = {}  # the same file seen through both roots (or a symlink) once
+    for root in roots:
+        for p in sorted(root.rglob(name)) if root.is_dir() else ():
+            found.setdefault(p.resolve(), os.path.relpath(p))
+    if found:
+        return FLUserError(f"--config {path}: no such file; did you mean {' or '.join(list(found.values())[:3])}?")
+    command = _former_experiment(Path(name).stem, roots)
+    if command:
+        return FLUserError(f"--config {path}: no such file; that experiment is now {command} (configs/README.md)")
+    return FLUserError(f"--config {path}: no such file")
+
+
+def _former_experiment(stem: str, roots: list[Path]) -> str | None:
+    """The command configs/README.md gives for a former one-file config (`| `fedsol_l2_cifar10` |
+    `fl-lightning fit --config ...` | ...`), or None."""
+    for root in roots:
+        try:
+            text = (root / "README.md").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+            if len(cells) >= 2 and cells[0] == stem and cells[1].startswith("fl-lightning "):
+                return f"`{cells[1]}`"
+    return None
 
 
 def expand_layers(path: str, depth: int = 0) -> list[str]:

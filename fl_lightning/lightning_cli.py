@@ -144,6 +144,8 @@ class FLCLI(LightningCLI):
         check_compatible(ckpt, state, cfg["model"], cfg["data"])
         verify_client_state_files(ckpt, state)
         self.checkpoint_rounds = completed_rounds(state)
+        if self.config.get("subcommand") != "fit":
+            follow_the_checkpoints_run(cfg, Path(ckpt))
 
     def before_instantiate_classes(self) -> None:
         cfg = self._subcommand_config()
@@ -333,6 +335,31 @@ def name_run_from_configs(cfg) -> None:
         # recorded in config.yaml, so a resume or a post-run command from that file (whose own
         # name says nothing of the experiment) lands in the same W&B group
         init.group = name
+
+
+def follow_the_checkpoints_run(cfg, ckpt: Path) -> None:
+    """validate, test and analyze of `<run dir>/checkpoints/<file>` with that run's own config.yaml
+    write beside that run (W&B runs under `<run dir>/posthoc/`, `analysis/posthoc_round_XXX/`)
+    wherever the command is started: config.yaml names the run's directory relative to where the
+    fit was started (`runs/<setting>/<method>`), which from anywhere else (the run's own directory,
+    say) would be a new directory nested somewhere. A directory the user chose instead is kept."""
+    run_dir = ckpt.parent.parent
+    trainer = cfg["trainer"]
+    configured = trainer.get("default_root_dir")
+    if ckpt.parent.name != "checkpoints" or not configured or Path(configured).resolve() == run_dir.resolve():
+        return
+    try:
+        import yaml
+
+        recorded = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("trainer", {})
+    except (OSError, yaml.YAMLError, AttributeError):
+        return
+    if not isinstance(recorded, dict) or recorded.get("default_root_dir") != configured:
+        return  # not the directory that run's config names: the user's choice
+    init = getattr(trainer.get("logger"), "init_args", None)
+    if init is not None and "save_dir" in init and init.save_dir and Path(init.save_dir) == Path(configured):
+        init.save_dir = str(run_dir)  # the fit's W&B directory is its run directory
+    trainer["default_root_dir"] = str(run_dir)
 
 
 def post_run_wandb_run(init, command: str, root: str) -> None:
@@ -574,6 +601,8 @@ def main(args: list[str] | None = None) -> None:
         if reported is None:
             raise
         code, line = reported[1], reported[0]
+        if code == EXIT_USER_ERROR:
+            _abandon_failed_start()
         if code == EXIT_LOST and not first and not _parent_gone():
             line = None  # rank 0 names the lost process
     finally:
@@ -586,6 +615,19 @@ def main(args: list[str] | None = None) -> None:
         print(f"error: {line}", file=sys.stderr)
     if code:
         sys.exit(code)
+
+
+def _abandon_failed_start() -> None:
+    """Bad input found after the fit claimed its run directory (a client model that cannot take the
+    data's images is built in setup, say) and before any round was saved: the directory is left as
+    if the command had never run, so the corrected command is not refused as "already holds a run"."""
+    cli = FLCLI.active
+    if cli is None or cli.run_dir is None or cli.subcommand != "fit":
+        return
+    checkpoint = cli.round_checkpoint
+    if checkpoint is None or checkpoint.last_path.exists():
+        return  # a round was saved (or is being resumed): the run stays
+    cli.run_dir.abandon()
 
 
 def _after_interrupt(err: FLInterrupted) -> tuple[int, str | None]:

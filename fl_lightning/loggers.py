@@ -5,7 +5,6 @@ files' names) and tagged by method, dataset and partition."""
 
 from __future__ import annotations
 
-import netrc
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,18 +15,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 from fl_lightning import compat
 from fl_lightning.config_files import run_name_from_configs
-
-
-def wandb_logged_in() -> bool:
-    """True when wandb has an API key: WANDB_API_KEY or the ~/.netrc entry `wandb login` writes."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    try:
-        path = Path(os.environ.get("NETRC", Path.home() / ".netrc"))
-        hosts = netrc.netrc(path).hosts if path.exists() else {}
-    except (OSError, netrc.NetrcParseError):
-        return False
-    return any("wandb" in host for host in hosts)
+from fl_lightning.wandb_online import wandb_logged_in
 
 
 class FLWandbLogger(WandbLogger):
@@ -140,9 +128,9 @@ def update_wandb_summary(loggers, summary: Mapping[str, Any]) -> None:
             logger.experiment.summary.update(values)
 
 
-# How the command was run (which checkpoint, replace the directory, unpickling), not what the run
-# computes: not part of the W&B run's config.
-COMMAND_KEYS = ("overwrite", "ckpt_path", "weights_only")
+# How the command was run (which checkpoint, replace the directory, unpickling, validate/test's
+# printed table), not what the run computes: not part of the W&B run's config.
+COMMAND_KEYS = ("overwrite", "ckpt_path", "weights_only", "verbose")
 
 
 def without_internal_keys(config: Mapping[str, Any]) -> dict[str, Any]:

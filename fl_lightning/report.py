@@ -28,10 +28,19 @@ import numpy as np
 import yaml
 
 from fl_lightning.atomic import atomic_write_bytes
-from fl_lightning.comparison import FIGURES, accuracy_key, curve, curves_png, difference, figure
+from fl_lightning.comparison import (
+    FIGURES,
+    accuracy_key,
+    curve,
+    curves_png,
+    difference,
+    figure,
+    log_report_to_wandb,
+)
 from fl_lightning.errors import FLUserError, OneLineArgumentParser
 from fl_lightning.outcome import read_outcome
 from fl_lightning.sweep import FINAL_STATES, SEED_KEYS, display_value, read_json, read_record, short_keys
+from fl_lightning.wandb_online import wandb_online
 
 # Options that name where and how a run is stored, not what it computes.
 BOOKKEEPING_KEYS = ("ckpt_path", "overwrite", "trainer.default_root_dir", "trainer.logger.init_args.name",
@@ -47,6 +56,7 @@ class Run:
     summary: dict | None
     record: dict | None
     order: float
+    setting: str = "?"  # the setting its config names (see _setting)
 
     @property
     def status(self) -> str:
@@ -106,8 +116,7 @@ def collect(top: Path) -> list[Run]:
     found = find_runs(top)
     configs = {path: _read_config(path) for path in found}
     keys = sorted({k for c in configs.values() for k in c})
-    varying = [k for k in keys if k not in BOOKKEEPING_KEYS and k != "model.class_path"
-               and len({repr(c.get(k)) for c in configs.values()}) > 1]
+    varying = [k for k in keys if k not in BOOKKEEPING_KEYS and k != "model.class_path" and _varies(k, configs)]
     settings = {path: _setting(configs[path]) for path in found}
     mixed_settings = len(set(settings.values())) > 1
     runs = []
@@ -122,8 +131,23 @@ def collect(top: Path) -> list[Run]:
         name = str(path.relative_to(top)) if path != top else path.name
         index = (record or {}).get("index")
         runs.append(Run(name=name, path=path, params=params, summary=summary, record=record,
-                        order=index if isinstance(index, int) else math.inf))
+                        order=index if isinstance(index, int) else math.inf, setting=settings[path]))
     return sorted(runs, key=lambda r: (r.order, r.name))
+
+
+def _varies(key: str, configs: dict[Path, dict[str, Any]]) -> bool:
+    """Whether `key` tells runs apart. A method's own option (`model.init_args.rho`, which FedAvg's
+    config does not have) labels rows only where runs of one method differ in it: between methods
+    the method column says it, and a column of FedSOL's defaults beside FedAvg's blanks says nothing."""
+    values = [repr(c.get(key)) for c in configs.values()]
+    if len(set(values)) < 2:
+        return False
+    if not key.startswith("model.init_args.") or all(key in c for c in configs.values()):
+        return True
+    by_method: dict[str, set[str]] = {}
+    for config, value in zip(configs.values(), values, strict=True):
+        by_method.setdefault(_method(config), set()).add(value)
+    return any(len(v) > 1 for v in by_method.values())
 
 
 def _method(config: dict[str, Any]) -> str:
@@ -202,6 +226,7 @@ class Table:
     compare_rows: list[list[str]] = field(default_factory=list)
     curves: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # row label -> its runs' curves
     accuracy: str = "global/test_acc"  # the runs' accuracy metric (clients/test_acc: model-heterogeneous)
+    settings: list[str] = field(default_factory=list)  # the settings of the finished runs
 
 
 FIGURE_KEYS = {"final": "final_acc", "best": "best_acc", "last_k_mean": "last_k_mean"}
@@ -235,12 +260,13 @@ def build(top: Path, compare: dict | None = None, metric: str = "final", last_k:
     if baseline:
         label = {"final": "final acc", "best": "best acc"}.get(metric, f"last-{last_k} mean acc")
         headers.append(f"{label} − {baseline} (95% CI)")
-    table = Table(headers=headers, rows=[], csv_rows=[], notes=_notes(runs), accuracy=accuracy_key(done[0].summary))
+    table = Table(headers=headers, rows=[], csv_rows=[], notes=_notes(runs), accuracy=accuracy_key(done[0].summary),
+                  settings=sorted({r.setting for r in done if r.setting != "?"}))
     for row in rows:
         _add_row(table, row, label_keys, short, metrics, last_k)
         if baseline:
             _add_difference(table, row, base_rows.get(_setting_of(row)), FIGURE_KEYS[metric], last_k)
-        table.curves[" ".join(display_value(v) for v in row.params.values())] = [
+        table.curves[", ".join(display_value(v) for v in row.params.values())] = [
             curve(r.path, r.summary) for r in row.done() if r.status != "diverged"]
     if compare is not None:
         _add_comparison(table, rows, short, compare)
@@ -382,6 +408,14 @@ def markdown(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def curves_title(table: Table, top: Path) -> str:
+    """`<setting> (<directory>): <accuracy>, mean ± std over seeds` (the settings where several)."""
+    where = top.resolve().name
+    settings = ", ".join(table.settings)
+    what = f"{settings} ({where})" if settings and settings != where else where
+    return f"{what}: {table.accuracy}, mean ± std over seeds"
+
+
 def main(argv: list[str]) -> int:
     p = OneLineArgumentParser(prog="fl-lightning report", description=__doc__.split("\n\n")[0])
     p.add_argument("sweep_dir", help="a directory of runs at any depth, e.g. runs, runs/<setting> or runs/<sweep>")
@@ -395,7 +429,8 @@ def main(argv: list[str]) -> int:
                    help="a method (e.g. FedAvg): each row's difference from its row in --metric, with a 95%% "
                         "confidence interval over seeds (paired t where both ran the same seeds, else Welch's t)")
     p.add_argument("--curves", action="store_true",
-                   help="also write curves.png beside the CSV: accuracy against rounds, mean ± std over seeds")
+                   help="also write curves.png beside the CSV: accuracy against rounds, mean ± std over seeds "
+                        "(and, when W&B is online, a report run with the curves as a line plot)")
     opts = p.parse_args(argv)
     if opts.last_k < 1:
         raise FLUserError(f"--last-k must be >= 1 (the number of last rounds to average), got {opts.last_k}")
@@ -424,11 +459,15 @@ def main(argv: list[str]) -> int:
     if opts.curves:
         png = csv_path.with_name("curves.png")
         try:
-            curves_png(table.curves, png, f"{sweep_dir.resolve().name}: accuracy, mean ± std over seeds",
+            curves_png(table.curves, png, curves_title(table, sweep_dir),
                        ylabel=table.accuracy.replace("/", " ").replace("_", " "))
         except OSError as err:
             print(f"error: could not write {png} ({err.strerror or err}); give --csv <a writable path>",
                   file=sys.stderr)
             return 1
         print(f"(curves: {png})")
+        if wandb_online():
+            url = log_report_to_wandb(table.curves, png, curves_title(table, sweep_dir), table.headers, table.rows,
+                                      sweep_dir)
+            print(f"(W&B: {url or 'the report run under ' + str(sweep_dir / 'wandb')})")
     return 0

@@ -35,12 +35,15 @@ class RunDirectory:
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self._lock_fd: int | None = None
+        self.created: list[Path] = []  # the directories this fit made (root first, then parents)
 
     def holds_run(self) -> bool:
         return any((self.root / name).exists() for name in RUN_FILES)
 
     def lock(self) -> None:
         """Exclusive for this process; one line if another process holds it."""
+        if not self.created:
+            self.created = [p for p in (self.root, *self.root.parents) if not p.exists()]
         self.root.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -73,6 +76,23 @@ class RunDirectory:
                 path.unlink()
         for path in self.root.glob("hpc_ckpt_*.ckpt"):  # Lightning would resume these on SLURM
             path.unlink()
+
+    def abandon(self) -> None:
+        """A fit refused after it claimed the directory and before it completed a round (bad input
+        found while the model or the clients were built): leave nothing that would make the
+        corrected command find "a run" here. A directory this fit made is removed; in one that
+        existed, the run files it wrote (config.yaml, summary.json, ...) are. Parent directories it made
+        go too when they are empty."""
+        self.unlock()
+        if not self.created:
+            self.clear()
+            return
+        shutil.rmtree(self.root, ignore_errors=True)
+        for parent in self.created[1:]:  # runs/<setting>/ too, if this fit made it and it is empty
+            try:
+                parent.rmdir()
+            except OSError:
+                break  # not empty: another run lives there
 
     def requeued_by_slurm(self) -> bool:
         """A SLURM job requeued by Lightning's auto-requeue restarts with its original command;

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import pty
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,8 @@ def test_analyze_validate_and_test_on_the_runs_own_config_leave_the_fit_alone(fi
         assert record.display_name == f"mnist5k/fedsol/{record.job_type}"
         assert record.run_id != fit_run.run_id
         assert rows and all(row["round"] == 2 for row in rows), rows
+        config = {item.key for item in record.config.update}
+        assert not config & {"overwrite", "ckpt_path", "weights_only", "verbose"}, config  # the command's own
     assert seen == {"analyze", "validate", "test"}
     # the report of the parent directory, as the README lays runs out (runs/<setting>/<method>)
     from fl_lightning.cli import main as fl_lightning
@@ -140,6 +143,12 @@ def test_a_fit_on_a_terminal_shows_rounds_no_library_noise_and_where_the_results
     assert proc.wait(timeout=300) == 0
     text = b"".join(chunks).decode(errors="replace")
     assert "Round 2/2: 100%" in text, text[-2000:]
+    # each round's line starts a line of its own above the bar (it used to be written into the bar:
+    # `...| 2/2 [00:00<00:00, 11.75it/s]round 1/2: global test acc ...`), and no second bar is drawn
+    # for the round's evaluation
+    for number in (1, 2):
+        assert re.search(rf"(^|[\r\n])round {number}/2: global test acc", text), text[-2000:]
+    assert "Validation" not in text
     for noise in ("Tip:", "anonymous", "weights_only", "LeafSpec", "transfer_batch_to_device",
                   "LightningCLI's args", "Warning", "warn"):
         assert noise not in text, noise
@@ -164,9 +173,80 @@ def test_the_wandb_run_has_one_history_row_per_round_with_its_clients_table(fitt
         assert "analysis/client_global_dist_mean" not in row  # the same number: logged once
         assert row["clients/table/_type"] == "table-file" and row["clients/table/ncols"] == 7
     assert "analysis/surface_loss/_type" in rows[2]  # media in their round's row
+    # the clients table of each round holds clients.csv's rows of that round
+    from fl_lightning.results import read_metrics
+
+    csv_rows = read_metrics(fitted / "clients.csv")
+    for row in rows[1:]:
+        table = json.loads((files[-1].parent / "files" / row["clients/table/path"]).read_text())
+        assert table["columns"] == ["client", "samples", "local_acc", "local_loss", "drift", "train_loss", "skipped"]
+        mine = [[r[c] for c in table["columns"]] for r in csv_rows if r["round"] == row["round"]]
+        assert len(mine) == 2 and [[pytest.approx(v) for v in r] for r in table["data"]] == mine
     definitions = [(r.metric.name, r.metric.glob_name, r.metric.step_metric) for r in records
                    if r.WhichOneof("record_type") == "metric"]
     assert definitions == [("round", "", ""), ("", "*", "round")]
     run_record = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     config = {item.key for item in run_record.config.update}
     assert not config & {"overwrite", "ckpt_path", "weights_only"} and {"model", "data", "trainer"} <= config
+
+
+def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`fl-lightning <args>` as a user types it, in `cwd` (this checkout's code)."""
+    return subprocess.run([sys.executable, "-m", "fl_lightning.cli", *args], cwd=cwd, env=env(),
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_the_readmes_post_run_commands_as_a_user_types_them(tmp_path):
+    """The README's session, each command its own process in the user's working directory: fit
+    (into runs/<setting>/<method>, a relative directory), analyze, validate and test with the
+    run's own config.yaml, validate again from inside the run directory (whose config.yaml names
+    the run relative to where the fit started), and `report runs`. The fit's files stay byte for
+    byte as the fit left them, and nothing is nested inside the run."""
+    settings, methods = REPO / "configs" / "settings", REPO / "configs" / "methods"
+    fit = cli("fit", "--config", str(settings / "mnist5k.yaml"), "--config", str(methods / "fedsol" / "fedsol.yaml"),
+              *SMALL[4:], *ANALYSIS, "--trainer.max_epochs", "2", cwd=tmp_path)
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "mnist5k" / "fedsol"
+    assert fit.stdout.strip().splitlines()[-1].startswith("run directory runs/mnist5k/fedsol: metrics.csv")
+    before = fit_files(run_dir)
+    assert {"config.yaml", "metrics.csv", "analysis/round_002/analysis.json"} <= set(before)
+    R = "runs/mnist5k/fedsol"
+    for command in ("analyze", "validate", "test"):
+        done = cli(command, "--config", f"{R}/config.yaml", "--ckpt_path", f"{R}/checkpoints/last.ckpt", cwd=tmp_path)
+        assert done.returncode == 0, (command, done.stderr[-3000:])
+        assert f"{command} of the round-2 checkpoint: global/test_acc" in done.stdout, done.stdout
+        assert "round 1/2" not in done.stdout + done.stderr
+        assert fit_files(run_dir) == before, command
+    assert (run_dir / "analysis" / "posthoc_round_002" / "spectrum.png").exists()
+    inside = cli("validate", "--config", "config.yaml", "--ckpt_path", "checkpoints/last.ckpt", cwd=run_dir)
+    assert inside.returncode == 0, inside.stderr[-3000:]
+    assert not (run_dir / "runs").exists()  # it used to make runs/mnist5k/fedsol/runs/mnist5k/fedsol/posthoc
+    assert len(list((run_dir / "posthoc" / "wandb").glob("offline-run-*"))) == 4
+    assert fit_files(run_dir) == before
+    report = cli("report", "runs", cwd=tmp_path)
+    assert report.returncode == 0, report.stderr
+    header, _, row = report.stdout.splitlines()[:3]
+    assert header.startswith("| method | final acc | best acc | seeds |") and row.startswith("| FedSOL | ")
+    assert fit_files(run_dir) == before
+
+
+def test_a_start_refused_after_the_directory_was_claimed_leaves_nothing(tmp_path, capsys):
+    """A model-heterogeneous method's client models are built once the run directory is claimed;
+    one that cannot take the data's images used to leave runs/<setting>/<method> with config.yaml,
+    a summary.json saying "crashed" and a W&B run, so the corrected command was refused as "already
+    holds a run"."""
+    top = tmp_path / "runs"
+    root = top / "mnist5k" / "fedproto"
+    hetero = ["--model", "FedProto", "--data.client_test_fraction", "0.25", "--trainer.max_epochs", "1",
+              "--trainer.default_root_dir", str(root)]
+    code = run(["fit", *SMALL, *hetero, "--model.init_args.model", "mlp,cnn4"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err[-1].startswith("error: model cnn4 cannot take 1x8x8 images"), err
+    assert not top.exists()  # nor runs/mnist5k, which this start made
+    assert run(["fit", *SMALL, *hetero, "--model.init_args.model", "mlp"]) == 0
+    assert json.loads((root / "summary.json").read_text())["outcome"] == "finished"
+    # a directory that was there before stays, without the run files this start wrote
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    code = run(["fit", *SMALL, *hetero[:-1], str(kept), "--model.init_args.model", "mlp,cnn4"])
+    assert code == 2 and kept.is_dir() and not (kept / "config.yaml").exists() and not (kept / "summary.json").exists()

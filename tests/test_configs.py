@@ -337,6 +337,10 @@ def test_a_setting_alone_is_named_after_its_baseline_method(tmp_path):
      r"--config .*fedsol\.yaml \(a method file\) comes before the setting .*mnist5k\.yaml, which would override it"),
     (["fedsol_cifar100.yaml"], r"--config .*fedsol_cifar100\.yaml: no such file$"),
     (["mnist5k.yaml"], r"--config .*mnist5k\.yaml: no such file; did you mean .*configs/settings/mnist5k\.yaml\?"),
+    # a name of the former one-file configs (the README's method sections named them): the command now
+    (["fedsol_l2_cifar10.yaml"], r"--config fedsol_l2_cifar10\.yaml: no such file; that experiment is now "
+                                 r"`fl-lightning fit --config configs/settings/fedsol_cifar10\.yaml --config "
+                                 r"configs/methods/fedsol/fedsol_l2\.yaml` \(configs/README\.md\)$"),
 ])
 def test_a_wrong_layering_or_a_missing_file_is_one_line(files, message, capsys):
     from fl_lightning.cli import main
@@ -345,3 +349,37 @@ def test_a_wrong_layering_or_a_missing_file_is_one_line(files, message, capsys):
         main(["fit", *[a for f in files for a in ("--config", str(CONFIGS / f) if "/" in f else f)], *TINY])
     err = capsys.readouterr().err.strip().splitlines()
     assert stop.value.code == 2 and len(err) == 1 and re.match(rf"error: {message}", err[0]), err
+
+
+def test_a_missing_file_names_each_match_once(tmp_path, monkeypatch, capsys):
+    """Seen through the working directory's configs/ and the package's (the same files when the
+    working directory's is a link to them), each match is named once."""
+    from fl_lightning.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").symlink_to(CONFIGS)
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", "--config", "fedsol_cifar10.yaml", *TINY])
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert stop.value.code == 2
+    assert line == ("error: --config fedsol_cifar10.yaml: no such file; did you mean configs/fedsol_cifar10.yaml "
+                    "or configs/settings/fedsol_cifar10.yaml?")
+
+
+def test_the_shipped_entry_trains_and_resumes_with_the_same_command(tmp_path, monkeypatch):
+    """`fl-lightning fit --config configs/fedsol_cifar10.yaml` itself (on offline digits, the rest of
+    the setting as shipped), then the same command with --ckpt_path last."""
+    from fl_lightning.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").symlink_to(CONFIGS)
+    args = ["fit", "--config", "configs/fedsol_cifar10.yaml", *TINY, "--trainer.logger", "false",
+            "--analysis.partition", "false"]
+    main([*args, "--trainer.max_epochs", "1"])
+    run = tmp_path / "runs" / "fedsol_cifar10" / "fedsol"
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["model"]["class_path"] == "fl_lightning.methods.FedSOL" and saved["model"]["init_args"]["rho"] == 2.0
+    assert saved["data"]["alpha"] == 0.1 and saved["data"]["num_clients"] == 10  # the setting, then the options
+    main([*args, "--trainer.max_epochs", "2", "--ckpt_path", "last"])
+    summary = yaml.safe_load((run / "summary.json").read_text())
+    assert summary["rounds_completed"] == 2 and summary["method"] == "FedSOL"

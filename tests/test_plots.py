@@ -32,3 +32,72 @@ def test_a_dominating_cell_gets_a_log_colour_scale():
     linear = plots.heatmap_image(counts, "t", "class", "client", annotate=False, log_scale=False)
     assert not np.array_equal(auto, linear)
     assert distinct_colours(auto) > distinct_colours(linear)
+
+
+def test_the_surfaces_mark_their_best_point_even_on_the_edge_and_the_model():
+    """The loss surface marks its minimum, the accuracy surface its maximum (it used to mark the
+    accuracy's minimum), both drawn over the frame when the point lies on the grid's edge (a marker
+    clipped by the axes showed as half a star), and the model itself is in the legend."""
+    grid = np.linspace(-1, 1, 5)
+    acc = np.full((5, 5), 0.5)
+    acc[2, 0] = 0.9  # the best accuracy on the edge (alpha 0, beta -1)
+    acc[4, 4] = 0.1
+    fig = plots.contour_figure(grid, grid, acc, "t", quantity="accuracy", clip=False, best="max")
+    ax = fig.axes[0]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["maximum 0.9", "the model 0.5"]
+    star = next(line for line in ax.get_lines() if line.get_marker() == "*")
+    assert (star.get_xdata()[0], star.get_ydata()[0]) == (0.0, -1.0) and not star.get_clip_on()
+    loss = plots.contour_figure(grid, grid, 1 - acc, "t", quantity="loss")
+    assert [t.get_text() for t in loss.axes[0].get_legend().get_texts()][0] == "minimum 0.1"
+
+
+def test_the_sharpness_history_draws_each_quantity_on_its_own_axes():
+    """lambda_1 and lambda_1/lambda_k used to share one panel with twin y-axes, where two analysis
+    rounds always drew the two lines exactly on top of each other."""
+    fig = plots.spectrum_history_figure([2, 4], [5.4, 6.0], [2.6, 2.8], 5, "FedSOL, mnist5k: sharpness over rounds")
+    axes = [ax for ax in fig.axes if ax.get_lines()]
+    assert len(axes) == 2
+    assert [ax.get_ylabel() for ax in axes] == ["λ1 (sharpness)", "λ1 / λ5"]
+    assert [list(ax.get_lines()[0].get_ydata()) for ax in axes] == [[5.4, 6.0], [2.6, 2.8]]
+    assert axes[1].get_xlabel() == "round" and axes[0].get_title() == "FedSOL, mnist5k: sharpness over rounds"
+
+
+def test_a_pictures_title_names_the_setting_not_the_directory(tmp_path):
+    """The setting is the one the run's config files name (the W&B group `<setting>/<method>`); it
+    was the run directory's parent, so `--trainer.default_root_dir runs/exp1` titled pictures "runs"."""
+    from types import SimpleNamespace
+
+    from fl_lightning.analysis.callback import _what
+    from fl_lightning.loggers import FLWandbLogger
+
+    module = type("FedSOL", (), {})()
+    data = SimpleNamespace(hparams={"dataset": "digits", "partition": "dirichlet"})
+    logger = FLWandbLogger(offline=True, save_dir=str(tmp_path), group="fedsol_cifar10/fedsol")
+    trainer = SimpleNamespace(lightning_module=module, loggers=[logger], datamodule=data,
+                              default_root_dir=str(tmp_path / "runs" / "exp1"))
+    assert _what(trainer, 7) == "FedSOL, fedsol_cifar10, round 7"
+    trainer.loggers = []  # no W&B logger: the data it trains on
+    assert _what(trainer, None) == "FedSOL, digits dirichlet"
+
+
+def test_heatmap_rows_are_the_real_client_ids_and_the_colorbar_names_its_quantity():
+    counts = np.tile(np.arange(10.0), (3, 1))
+    counts[1, 4] = 210.0
+    fig = plots.heatmap_figure(counts, "t", "class", "client id", quantity="training samples", row_labels=[7, 12, 40])
+    ax, bar = fig.axes
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["7", "12", "40"]  # not 0, 1, 2
+    assert bar.get_ylabel() == "training samples (log scale)"  # 210 against a median of 5
+    assert [t.get_text() for t in ax.get_xticklabels()] == [str(c) for c in range(10)]  # every class
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("class", "client id")
+
+
+def test_slices_have_axis_labels_and_name_their_directions():
+    curves = {"top-1 Hessian eigenvector": [3, 2, 3], "top-2 Hessian eigenvector": [2, 2, 4]}
+    fig = plots.curve_figure([-1, 0, 1], curves,
+                             "FedSOL, mnist5k, round 4: loss along each direction", "step along the direction",
+                             "training-subset loss")
+    ax = fig.axes[0]
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("step along the direction", "training-subset loss")
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["top-1 Hessian eigenvector",
+                                                                    "top-2 Hessian eigenvector"]

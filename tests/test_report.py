@@ -260,3 +260,59 @@ def test_bad_comparison_options_are_one_line(sweep_dir, args, message):
     code, out, err = report(str(sweep_dir), *args)
     assert code == 2 and out == "" and err.startswith("error: ") and message in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_methods_own_options_do_not_become_columns(tmp_path):
+    """FedAvg, FedProx and FedSOL as fit writes their config.yaml (each method's own options only in
+    its own file): the table and the curves are labelled by method, not by a column per option of
+    every method (`| FedAvg | None | None | ... |`, and curves labelled "FedAvg None None ...")."""
+    from fl_lightning.report import build
+
+    own = {"FedAvg": {}, "FedProx": {"mu": 0.01}, "FedSOL": {"rho": 2.0, "temperature": 3.0}}
+    for method, options in own.items():
+        for seed in (0, 1):
+            config = {"seed_everything": seed, "model": {"class_path": f"fl_lightning.methods.{method}",
+                                                         "init_args": {"lr": 0.01, **options}}}
+            make_run(tmp_path / "t", f"{method}-{seed}", {}, final=0.5, config=config, record=False)
+    # one more FedSOL row whose rho differs: that option does tell two rows apart
+    config = {"seed_everything": 0, "model": {"class_path": "fl_lightning.methods.FedSOL",
+                                              "init_args": {"lr": 0.01, "rho": 1.0, "temperature": 3.0}}}
+    make_run(tmp_path / "t", "FedSOL-rho1", {}, final=0.6, config=config, record=False)
+    for summary in (tmp_path / "t").glob("*/summary.json"):  # as fit writes it
+        summary.write_text(json.dumps({**json.loads(summary.read_text()), "method": summary.parent.name.split("-")[0]}))
+    table = build(tmp_path / "t")
+    assert table.headers[:3] == ["method", "rho", "final acc"]
+    assert sorted(tuple(r[:2]) for r in table.rows) == [("FedAvg", "None"), ("FedProx", "None"), ("FedSOL", "1"),
+                                                         ("FedSOL", "2")]
+    assert sorted(table.curves) == ["FedAvg, None", "FedProx, None", "FedSOL, 1", "FedSOL, 2"]
+
+
+def test_curves_go_to_a_wandb_report_run_when_online(tmp_path, monkeypatch):
+    """With W&B online, `report --curves` also logs a run of its own (job_type report) holding the
+    learning curves as a native line plot (the mean over seeds per row), the PNG and the table.
+    (Online is simulated: the run is written offline, as W&B then uploads it.)"""
+    import fl_lightning.report as report_module
+    from fl_lightning.loggers import offline_records
+
+    methods_with_curves(tmp_path / "t")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    code, out, err = report(str(tmp_path / "t"), "--curves")
+    assert code == 0 and not (tmp_path / "t" / "wandb").exists()  # offline: the PNG only
+    monkeypatch.setattr(report_module, "wandb_online", lambda: True)
+    code, out, err = report(str(tmp_path / "t"), "--curves")
+    assert code == 0, err
+    files = sorted((tmp_path / "t").glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1
+    records = list(offline_records(files[0]))
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    assert run.job_type == "report" and run.display_name == "report/t"
+    (row,) = [{i.key or "/".join(i.nested_key): i.value_json for i in r.history.item}
+              for r in records if r.WhichOneof("record_type") == "history"]
+    assert json.loads(row["report/curves_table/_type"]) == "table-file"
+    assert json.loads(row["report/curves_table/nrows"]) == 3 * 5  # three rows x five rounds
+    assert json.loads(row["report/curves_png/_type"]) == "image-file"
+    assert json.loads(row["report/table/nrows"]) == 3
+    table = json.loads((files[0].parent / "files" / json.loads(row["report/curves_table/path"])).read_text())
+    assert table["columns"] == ["step", "lineKey", "lineVal"]
+    fedsol = [(x, y) for x, line, y in table["data"] if line == "FedSOL"]
+    assert fedsol == [(r, pytest.approx(100 * (0.70 - 0.05 * (5 - r)))) for r in range(1, 6)]  # mean of 3 seeds

@@ -34,6 +34,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.func import functional_call
 
+from fl_lightning import compat
 from fl_lightning.analysis import plots
 from fl_lightning.analysis.divergence import classwise_accuracy, client_updates, divergence_stats, partition_counts
 from fl_lightning.analysis.hessian import hessian_spectrum
@@ -322,15 +323,18 @@ class AnalysisCallback(L.Callback):
         bars = plots.spectrum_image(list(spectrum.top), layers, f"{what}: {prefix}Hessian spectrum")
         files[f"{name}spectrum.png"] = bars
         k = len(spectrum.top)
-        history = self._spectrum_history.setdefault(prefix, {})
-        history[round_no] = (float(spectrum.top[0]), float(spectrum.top[0] / spectrum.top[-1]) if k > 1 else 1.0)
-        rounds = sorted(history)
-        trend = plots.spectrum_history_image(rounds, [history[r][0] for r in rounds], [history[r][1] for r in rounds],
-                                             k, f"{_what(trainer, None)}: {prefix}sharpness over rounds")
-        if trainer.is_global_zero and not self.forced:
-            plots.save_png(trend, Path(trainer.default_root_dir) / "analysis" / f"{name}spectrum_history.png")
-        self._log_media(trainer, round_no, {f"analysis/{prefix}spectrum": ("image", bars),
-                                            f"analysis/{prefix}spectrum_history": ("image", trend)})
+        media = {f"analysis/{prefix}spectrum": ("image", bars)}
+        if not self.forced:  # `analyze` sees one checkpoint: no history to draw
+            history = self._spectrum_history.setdefault(prefix, {})
+            history[round_no] = (float(spectrum.top[0]), float(spectrum.top[0] / spectrum.top[-1]) if k > 1 else 1.0)
+            rounds = sorted(history)
+            trend = plots.spectrum_history_image(rounds, [history[r][0] for r in rounds],
+                                                 [history[r][1] for r in rounds], k,
+                                                 f"{_what(trainer, None)}: {prefix}sharpness over rounds")
+            if trainer.is_global_zero:
+                plots.save_png(trend, Path(trainer.default_root_dir) / "analysis" / f"{name}spectrum_history.png")
+            media[f"analysis/{prefix}spectrum_history"] = ("image", trend)
+        self._log_media(trainer, round_no, media)
 
     def _surface(self, trainer, objective, spectrum, prefix: str, round_no: int, files: dict) -> None:
         if self.surface == "hessian":
@@ -351,7 +355,7 @@ class AnalysisCallback(L.Callback):
         loss_img = plots.contour_image(surf.alphas, surf.betas, surf.loss, f"{what}: {prefix}loss surface", *labels,
                                        quantity="training-subset loss")
         acc_img = plots.contour_image(surf.alphas, surf.betas, surf.acc, f"{what}: {prefix}accuracy surface", *labels,
-                                      quantity="training-subset accuracy", clip=False)
+                                      quantity="training-subset accuracy", clip=False, best="max")
         files[f"{name}surface_loss.png"], files[f"{name}surface_acc.png"] = loss_img, acc_img
         self._table_rows += [[round_no, *row] for row in surf.rows()]
         media = {f"analysis/{prefix}surface_loss": ("image", loss_img),
@@ -359,9 +363,9 @@ class AnalysisCallback(L.Callback):
                  f"analysis/{prefix}surface_table": ("table", self._table_rows)}
         if self.slices:
             curves = {}
-            for label, d in zip(("direction 1", "direction 2"), (d1, d2), strict=True):
+            for label, axis, d in zip(("direction 1", "direction 2"), labels, (d1, d2), strict=True):
                 alphas, loss, acc = slice_1d(objective, d, self.surface_radius, self.surface_points)
-                curves[label] = loss
+                curves[axis] = loss
                 files.setdefault(f"{prefix}slices", {})[label] = {"alphas": alphas, "loss": loss, "acc": acc}
             img = plots.curve_image(alphas, curves, f"{_what(trainer, round_no)}: {prefix}loss along each direction",
                                     "step along the direction", "training-subset loss")
@@ -443,9 +447,18 @@ class AnalysisCallback(L.Callback):
 
 
 def _what(trainer, round_no: int | None) -> str:
-    """A picture's title prefix: method, setting (the run directory's parent, runs/<setting>/...) and round."""
+    """A picture's title prefix: method, setting and round. The setting is the one the run's config
+    files name (the W&B group `<setting>/<method>` the CLI gives a fit); without it (no W&B logger,
+    a group of the user's own) the dataset and its partition."""
     method = type(trainer.lightning_module).__name__
-    setting = Path(trainer.default_root_dir).resolve().parent.name
+    setting = None
+    for logger in trainer.loggers:
+        group = compat.wandb_init_kwargs(logger).get("group") if isinstance(logger, FLWandbLogger) else None
+        if isinstance(group, str) and group.count("/") == 1:
+            setting = group.split("/")[0]
+    if setting is None:
+        hparams = getattr(trainer.datamodule, "hparams", {}) or {}
+        setting = " ".join(str(hparams[k]) for k in ("dataset", "partition") if hparams.get(k)) or "?"
     return f"{method}, {setting}" + (f", round {round_no}" if round_no is not None else "")
 
 

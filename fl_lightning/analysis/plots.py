@@ -20,13 +20,19 @@ def _to_array(fig: Figure) -> np.ndarray:
     return np.asarray(canvas.buffer_rgba())[..., :3].astype(np.uint8).copy()
 
 
-def contour_image(alphas: Sequence[float], betas: Sequence[float], values: Sequence[Sequence[float]],
-                  title: str, xlabel: str = "direction 1", ylabel: str = "direction 2",
-                  levels: int = 20, quantity: str = "loss", clip: bool = True) -> np.ndarray:
+def contour_image(*args, **kwargs) -> np.ndarray:
+    """`contour_figure` as an RGB array."""
+    return _to_array(contour_figure(*args, **kwargs))
+
+
+def contour_figure(alphas: Sequence[float], betas: Sequence[float], values: Sequence[Sequence[float]],
+                   title: str, xlabel: str = "direction 1", ylabel: str = "direction 2",
+                   levels: int = 20, quantity: str = "loss", clip: bool = True, best: str = "min") -> Figure:
     """Filled contour of values[i][j] at (alphas[i], betas[j]), the colorbar labelled `quantity`,
-    the model (0, 0) a red +, the grid's minimum a white star. With `clip`, a surface whose edge
-    climbs far above its basin (a loss of 52 around a basin of 2) gets levels up to its 75th
-    percentile, so the basin keeps its contours; higher values share the top colour."""
+    the model itself (0, 0) a red +, the grid's best point (`best`: "min" for a loss, "max" for an
+    accuracy) a white star, drawn over the frame when it lies on the grid's edge. With `clip`, a
+    surface whose edge climbs far above its basin (a loss of 52 around a basin of 2) gets levels up
+    to its 75th percentile, so the basin keeps its contours; higher values share the top colour."""
     z = np.asarray(values, dtype=np.float64).T  # rows = betas (y), columns = alphas (x)
     fig = Figure(figsize=(5.2, 4), dpi=80, layout="constrained")
     ax = fig.add_subplot()
@@ -39,25 +45,34 @@ def contour_image(alphas: Sequence[float], betas: Sequence[float], values: Seque
         bounds = np.linspace(low, top, levels + 1)
         cs = ax.contourf(alphas, betas, z, levels=bounds, cmap="viridis", extend="max" if clipped else "neither")
         ax.contour(alphas, betas, z, levels=bounds, colors="k", linewidths=0.3)
-        bar = fig.colorbar(cs, ax=ax)
+        bar = fig.colorbar(cs, ax=ax, format="{x:.3g}")
         bar.set_label(quantity + (f" (levels clipped at {top:.3g}; max {finite.max():.3g})" if clipped else ""))
-        i, j = np.unravel_index(np.nanargmin(np.where(np.isfinite(z), z, np.inf)), z.shape)
-        ax.plot([alphas[j]], [betas[i]], marker="*", color="w", markeredgecolor="k", markersize=11,
-                linestyle="none", label=f"minimum {z[i, j]:.3g}")
-        ax.legend(loc="upper right", fontsize=7)
+        pick = np.where(np.isfinite(z), z if best == "min" else -z, np.inf)
+        i, j = np.unravel_index(np.argmin(pick), z.shape)
+        name = "minimum" if best == "min" else "maximum"
+        ax.plot([alphas[j]], [betas[i]], marker="*", color="w", markeredgecolor="k", markersize=14,
+                linestyle="none", clip_on=False, zorder=5, label=f"{name} {z[i, j]:.3g}")
     else:
         ax.imshow(z, origin="lower", extent=(alphas[0], alphas[-1], betas[0], betas[-1]), aspect="auto")
-    ax.plot([0], [0], "r+")
+    center = z[len(betas) // 2, len(alphas) // 2] if len(alphas) % 2 and len(betas) % 2 else None
+    ax.plot([0], [0], marker="+", color="r", markersize=12, markeredgewidth=2, linestyle="none", zorder=6,
+            label="the model" + (f" {center:.3g}" if center is not None and np.isfinite(center) else ""))
+    ax.legend(loc="upper right", fontsize=7, framealpha=0.85)
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    return _to_array(fig)
+    return fig
 
 
 MAX_HEATMAP_INCHES = 16.0  # at 80 dpi: 1,280 pixels
 
 
-def heatmap_image(matrix: np.ndarray, title: str, xlabel: str, ylabel: str, annotate: bool | None = None,
-                  fmt: str = "{:.0f}", quantity: str = "", row_labels: Sequence | None = None,
-                  log_scale: bool | None = None) -> np.ndarray:
+def heatmap_image(*args, **kwargs) -> np.ndarray:
+    """`heatmap_figure` as an RGB array."""
+    return _to_array(heatmap_figure(*args, **kwargs))
+
+
+def heatmap_figure(matrix: np.ndarray, title: str, xlabel: str, ylabel: str, annotate: bool | None = None,
+                   fmt: str = "{:.0f}", quantity: str = "", row_labels: Sequence | None = None,
+                   log_scale: bool | None = None) -> Figure:
     """A rows x columns heatmap (clients x classes): the colorbar labelled `quantity`, rows named
     `row_labels` (the real client ids), numbers written in the cells when small. The colour scale
     is logarithmic (symlog, zero included) when one cell dominates (`log_scale` None: the largest
@@ -90,48 +105,62 @@ def heatmap_image(matrix: np.ndarray, title: str, xlabel: str, ylabel: str, anno
                     bright = (norm(m[i, j]) if norm is not None else (m[i, j] > middle)) > (0.5 if norm else 0)
                     ax.text(j, i, fmt.format(m[i, j]), ha="center", va="center", fontsize=6,
                             color="k" if bright else "w")
+    if cols <= 30:
+        ax.set_xticks(range(cols))  # every class, not every other one
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    return _to_array(fig)
+    return fig
 
 
-def curve_image(x: Sequence[float], ys: dict[str, Sequence[float]], title: str, xlabel: str,
-                ylabel: str = "") -> np.ndarray:
+def curve_image(*args, **kwargs) -> np.ndarray:
+    """`curve_figure` as an RGB array."""
+    return _to_array(curve_figure(*args, **kwargs))
+
+
+def curve_figure(x: Sequence[float], ys: dict[str, Sequence[float]], title: str, xlabel: str,
+                 ylabel: str = "") -> Figure:
+    """One line per entry of `ys` against `x` (slices.png: the loss along each direction)."""
     fig = Figure(figsize=(5, 3.5), dpi=80, layout="constrained")
     ax = fig.add_subplot()
     for label, y in ys.items():
         ax.plot(x, y, marker=".", label=label)
     ax.legend()
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    return _to_array(fig)
+    return fig
 
 
 def spectrum_image(top: Sequence[float], layers: dict[str, float], title: str) -> np.ndarray:
     """The Hessian's top-k eigenvalues, and lambda_1 of each layer's block, as bar charts."""
-    fig = Figure(figsize=(8, 3.6), dpi=80, layout="constrained")
+    fig = Figure(figsize=(8, 3.8), dpi=80, layout="constrained")
     left, right = fig.subplots(1, 2, width_ratios=[1, max(1.0, len(layers) / 4)])
     left.bar([f"λ{i + 1}" for i in range(len(top))], top, color="tab:blue")
     left.set(title="top eigenvalues", ylabel="eigenvalue")
     if layers:
         right.bar(list(layers), list(layers.values()), color="tab:orange")
-        right.tick_params(axis="x", labelrotation=45, labelsize=7)
-    right.set(title="λ1 of each layer's Hessian block", ylabel="eigenvalue")
+        right.tick_params(axis="x", labelrotation=30 if len(layers) > 3 else 0, labelsize=8)
+    right.set(title="λ1 of each layer's Hessian block", xlabel="layer", ylabel="eigenvalue")
     fig.suptitle(title)
     return _to_array(fig)
 
 
-def spectrum_history_image(rounds: Sequence[int], lambda_1: Sequence[float], ratio: Sequence[float], k: int,
-                           title: str) -> np.ndarray:
-    """lambda_1 (left axis) and lambda_1 / lambda_k (right axis) against rounds."""
-    fig = Figure(figsize=(5.5, 3.6), dpi=80, layout="constrained")
-    ax = fig.add_subplot()
-    ax.plot(rounds, lambda_1, marker="o", color="tab:blue", label="λ1")
-    ax.set(title=title, xlabel="round", ylabel="λ1 (sharpness)")
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    twin = ax.twinx()
-    twin.plot(rounds, ratio, marker="s", color="tab:red", label=f"λ1 / λ{k}")
-    twin.set_ylabel(f"λ1 / λ{k}")
-    fig.legend(loc="upper left", fontsize=7)
-    return _to_array(fig)
+def spectrum_history_image(*args, **kwargs) -> np.ndarray:
+    """`spectrum_history_figure` as an RGB array."""
+    return _to_array(spectrum_history_figure(*args, **kwargs))
+
+
+def spectrum_history_figure(rounds: Sequence[int], lambda_1: Sequence[float], ratio: Sequence[float], k: int,
+                            title: str) -> Figure:
+    """lambda_1 (top) and lambda_1 / lambda_k (bottom) against rounds, one panel each (on twin axes
+    of one panel the two lines would lie on top of each other whenever there are two points)."""
+    fig = Figure(figsize=(5.5, 4.6), dpi=80, layout="constrained")
+    upper, lower = fig.subplots(2, 1, sharex=True)
+    upper.plot(rounds, lambda_1, marker="o", color="tab:blue")
+    upper.set(title=title, ylabel="λ1 (sharpness)")
+    lower.plot(rounds, ratio, marker="s", color="tab:red")
+    lower.set(xlabel="round", ylabel=f"λ1 / λ{k}")
+    lower.xaxis.get_major_locator().set_params(integer=True)
+    for ax in (upper, lower):
+        ax.grid(alpha=0.3)
+    return fig
 
 
 def save_png(image: np.ndarray, path: Path) -> None:
