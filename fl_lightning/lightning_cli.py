@@ -92,14 +92,22 @@ class FLCLI(LightningCLI):
 
     def __init__(self, *args, **kwargs):
         FLCLI.active = self
+        given = kwargs.get("args")
+        given = sys.argv[1:] if given is None else given
+        self._invoked = given[0] if given and isinstance(given[0], str) else None
         super().__init__(*args, **kwargs)
 
-    @staticmethod
-    def subcommands() -> dict[str, set[str]]:
+    SUBCOMMANDS = ("fit", "validate", "test", "analyze")
+
+    def subcommands(self) -> dict[str, set[str]]:
         """fit, validate, test and analyze (FLTrainer.analyze: the --analysis.* analyses of a
-        checkpoint); Lightning's `predict` is left out, no method has a predict step."""
-        kept = {name: skip for name, skip in LightningCLI.subcommands().items() if name != "predict"}
-        return {**kept, "analyze": {"model", "datamodule"}}
+        checkpoint); Lightning's `predict` is left out, no method has a predict step. Only the
+        invoked one's parser is built when it is known: each holds every Trainer, method and data
+        option, and building all four took a third of the CLI's own start-up."""
+        kept = {name: skip for name, skip in LightningCLI.subcommands().items() if name in self.SUBCOMMANDS}
+        kept["analyze"] = {"model", "datamodule"}
+        invoked = getattr(self, "_invoked", None)
+        return {invoked: kept[invoked]} if invoked in kept else kept
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(FederatedCallback, "federation")
@@ -550,9 +558,9 @@ class _ParserOnlyCLI:
 
 
 def build_parser():
-    """The CLI's own argument parser (every subcommand, every option, as `fl-lightning` parses
-    them), without parsing anything or building a Trainer: for checking commands before they run
-    (`fl-lightning sweep` parses every command of a sweep with it)."""
+    """The CLI's own argument parser of `fit` (every option, as `fl-lightning fit` parses them),
+    without parsing anything or building a Trainer: for checking commands before they run
+    (`fl-lightning sweep` parses every command of a sweep, each a fit, with it)."""
     cli_class = type("FLCLIParser", (_ParserOnlyCLI, FLCLI), {})
     try:
         build_cli(["fit"], cli_class=cli_class)
