@@ -43,7 +43,7 @@ from fl_lightning.models import build_model
 
 OPT = dict(lr=0.01, momentum=0.9, weight_decay=1e-5)
 MNIST = dict(dataset="mnist5k", num_clients=50, sample_ratio=0.2, local_epochs=5, batch_size=50,
-             partition="dirichlet", alpha=0.1, partition_seed=0, seed=0, eval_batch_size=500)
+             partition="dirichlet", alpha=0.1, partition_seed=0, seed=0)
 MANY = dict(MNIST, num_clients=1000, sample_ratio=0.01, local_epochs=1, partition="iid", min_size=1)
 
 

@@ -41,6 +41,7 @@ from fl_lightning.state import ServerState
 from fl_lightning.uploads import ClientUpload, RoundUploads, ServerUpdate, all_finite
 
 CLIENT_COLUMNS = ("client", "samples", "local_acc", "local_loss", "drift", "train_loss", "skipped")
+LOCAL_CLASS_ACC = "local_class_acc"
 
 
 @dataclass
@@ -54,7 +55,9 @@ class RoundReport:
         uploads: the accepted uploads (every process's when `share_round_uploads` is set, else
             this process's), complete from the end of the round's last client.
         clients: one row per client of the round, every process's, in client order:
-            `CLIENT_COLUMNS` (a skipped client has `skipped` 1 and no measures).
+            `CLIENT_COLUMNS` (a skipped client has `skipped` 1 and no measures), and in rounds a
+            callback asked for it (`local_class_accuracy`) `LOCAL_CLASS_ACC`: the local model's
+            accuracy per class on the same test subset (a list, not averaged nor written to clients.csv).
         metrics: the round's logged values (`round`, `lr`, `perf/*`, `local/*` means, the server
             step's metrics).
     """
@@ -144,6 +147,10 @@ class FederatedCallback(L.Callback):
         # set by a callback that reads every client's upload each round (analysis divergence): with
         # clients in parallel the uploads are then gathered to every process after the server step
         self.share_round_uploads = False
+        # set by a callback that needs every local model's per-class accuracy this round (the
+        # analysis' class-wise heatmap): the local-model evaluation counts per class too, instead
+        # of that callback evaluating every uploaded model again
+        self.local_class_accuracy = False
         self.round_report = RoundReport(round=0)
         self._local_loader = None
 
@@ -227,7 +234,8 @@ class FederatedCallback(L.Callback):
             if train_loss is not None:
                 row["train_loss"] = train_loss
             if self.eval_local_models:
-                row.update(pl_module.local_model_stats(lambda: self._local_eval_loader(trainer)))
+                row.update(pl_module.local_model_stats(lambda: self._local_eval_loader(trainer),
+                                                       per_class=self.local_class_accuracy))
             self._uploads.append(upload)
         self._rows.append(row)
         if len(self._rows) == len(self._mine.clients):
@@ -302,7 +310,8 @@ class FederatedCallback(L.Callback):
         metrics.update(local_logs)
         metrics.update(update.metrics)
         measured = [r for r in rows if not r["skipped"]]
-        for key in sorted({k for r in measured for k in r} - set(CLIENT_COLUMNS[:2]) - {"skipped", "train_loss"}):
+        for key in sorted({k for r in measured for k in r} - {*CLIENT_COLUMNS[:2], "skipped", "train_loss",
+                                                                  LOCAL_CLASS_ACC}):
             values = torch.tensor([r[key] for r in measured if key in r], dtype=torch.float64)
             metrics[f"local/{key}_mean"] = float(values.mean())
             if key == "local_acc":

@@ -181,3 +181,27 @@ def test_metrics_csv_rows_hold_only_their_rounds_values(tmp_path):
     rows = assert_metrics_csv_equals_wandb_history(root, rounds=4)
     heatmap_rounds = [r["round"] for r in rows if "analysis/local_class_acc_mean" in r]
     assert heatmap_rounds == [2, 4]
+
+
+def test_the_heatmap_shows_the_federations_evaluation_of_each_local_model(fitted):
+    """The class-wise heatmap's rows are the per-class counts of the same evaluation that gives
+    clients.csv's local_acc (on the same 200-digit subset), not a second evaluation: each row's
+    class accuracies, weighted by the subset's class counts, are that client's local_acc."""
+    import csv
+
+    from fl_lightning.data.datamodule import FederatedDataModule
+
+    dm = FederatedDataModule(dataset="digits", num_clients=10, min_size=5)
+    dm.setup()
+    labels = torch.cat([y for _, y in dm.global_test_subset_loader(200)])
+    counts = torch.bincount(labels, minlength=10).double()
+    rows = list(csv.DictReader((fitted / "clients.csv").open()))
+    for round_no in (1, 2):
+        heatmap = json.loads((fitted / "analysis" / f"round_{round_no:03d}" / "analysis.json").read_text())
+        classwise = heatmap["classwise_local"]
+        local_acc = {int(r["client"]): float(r["local_acc"]) for r in rows if int(r["round"]) == round_no}
+        assert sorted(classwise["clients"]) == sorted(local_acc)
+        for client, per_class in zip(classwise["clients"], classwise["acc"], strict=True):
+            per_class = torch.tensor(per_class, dtype=torch.float64)
+            weighted = float((per_class.nan_to_num() * counts).sum() / counts.sum())
+            assert weighted == pytest.approx(local_acc[client], abs=1e-9)

@@ -41,7 +41,7 @@ from fl_lightning.analysis.hessian import hessian_spectrum
 from fl_lightning.analysis.objective import HVP_MODES, SubsetObjective, eval_mode
 from fl_lightning.analysis.surface import DIRECTION_KINDS, filter_normalized_direction, slice_1d, surface_2d
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import federation_of, log_round_metrics
+from fl_lightning.federation import LOCAL_CLASS_ACC, federation_of, log_round_metrics
 from fl_lightning.loggers import FLWandbLogger
 
 SURFACE_KINDS = (*DIRECTION_KINDS, "none")
@@ -147,6 +147,17 @@ class AnalysisCallback(L.Callback):
         model = global_model(pl_module) if self.divergence and trainer.is_global_zero else None
         if model is not None:
             self._round_start = {n: p.detach().clone() for n, p in model.named_parameters()}
+        federation = federation_of(trainer)
+        if federation is not None:
+            # the heatmap's local class-wise accuracies come from the federation's evaluation of
+            # each local model when it evaluates them on the same subset (every process asks)
+            federation.local_class_accuracy = bool(
+                self.divergence and self._heatmap_due(trainer, trainer.current_epoch + 1)
+                and self.test_samples in (None, federation.local_eval_samples))
+
+    def _heatmap_due(self, trainer, round_no: int) -> bool:
+        every = self.heatmap_every_n_rounds
+        return bool(every and (round_no % every == 0 or round_no == trainer.max_epochs))
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         # Under DDP every rank holds the same global model: rank 0 alone analyses it and writes the
@@ -263,26 +274,30 @@ class AnalysisCallback(L.Callback):
         if accs:  # each local model on the same test subset, as evaluated by the federation
             self._log_media(trainer, round_no, {"analysis/local_acc_hist": ("histogram", accs)})
             files["local_acc"] = accs
-        every = self.heatmap_every_n_rounds
-        if not (every and (round_no % every == 0 or round_no == trainer.max_epochs)):
+        if not self._heatmap_due(trainer, round_no):
             return out
-        keys = set(model.state_dict())
-        full = [u for u in uploads if keys <= set(u.weights)]
-        if not full:
-            if uploads:
-                self._once("uploads do not carry whole local models: no local class-wise accuracy")
-            return out
-        # uploads may carry more than the model (SCAFFOLD's control variates): only the model's keys
-        local = torch.stack([classwise_accuracy(_scores(model, {k: u.weights[k] for k in keys}, x, self.chunk_size),
-                                                y, num_classes) for u in full])
+        evaluated = [c for c in report.clients if LOCAL_CLASS_ACC in c] if report is not None else []
+        if evaluated:  # the federation's evaluation of each local model, per class, on this subset
+            clients = [int(c["client"]) for c in evaluated]
+            local = torch.tensor([c[LOCAL_CLASS_ACC] for c in evaluated], dtype=torch.float64)
+        else:
+            keys = set(model.state_dict())
+            full = [u for u in uploads if keys <= set(u.weights)]
+            if not full:
+                if uploads:
+                    self._once("uploads do not carry whole local models: no local class-wise accuracy")
+                return out
+            # uploads may carry more than the model (SCAFFOLD's control variates): only the model's keys
+            clients = [u.client for u in full]
+            local = torch.stack([classwise_accuracy(_scores(model, {k: u.weights[k] for k in keys}, x,
+                                                            self.chunk_size), y, num_classes) for u in full])
         out["local_class_acc_mean"] = float(np.nanmean(local.numpy()))
-        files["classwise_local"] = {"clients": [u.client for u in full], "acc": local.tolist(),
-                                    "global": global_acc.tolist()}
+        files["classwise_local"] = {"clients": clients, "acc": local.tolist(), "global": global_acc.tolist()}
         # No numbers in the cells (they are in analysis.json): drawing a hundred of them doubled the
         # cost of a picture drawn every few rounds, in the training loop
         image = plots.heatmap_image(local.numpy(), f"{_what(trainer, round_no)}: local models' class-wise accuracy",
                                     "class", "client id", annotate=False, quantity="accuracy",
-                                    row_labels=[u.client for u in full], log_scale=False)
+                                    row_labels=clients, log_scale=False)
         files["classwise_local.png"] = image
         self._log_media(trainer, round_no, {"analysis/classwise_local": ("image", image)})
         return out

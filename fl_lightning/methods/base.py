@@ -306,9 +306,10 @@ class FederatedMethod(L.LightningModule):
         where the round started, so nothing of the round is evaluated or saved."""
         self.current_client = None
 
-    def local_model_stats(self, test_loader: Callable[[], Iterable]) -> dict[str, float]:
+    def local_model_stats(self, test_loader: Callable[[], Iterable], per_class: bool = False) -> dict[str, float]:
         """Called right after `client_end`: measures of the client's just-trained model for the
-        round's `local/*` means (e.g. its accuracy on the global test set, `test_loader()`)."""
+        round's `local/*` means (e.g. its accuracy on the global test set, `test_loader()`); with
+        `per_class`, also `federation.LOCAL_CLASS_ACC`, its accuracy per class (a list)."""
         return {}
 
     def analysis_models(self, max_clients: int) -> list[tuple[str, nn.Module]]:
@@ -631,9 +632,12 @@ class SharedModelMethod(FederatedMethod):
         sq = sum(((p.detach() - g[n]) ** 2).sum() for n, p in self.model.named_parameters() if n not in self.personal)
         return float(torch.sqrt(sq))
 
-    def local_model_stats(self, test_loader: Callable[[], Iterable]) -> dict[str, float]:
-        result = self.evaluate(test_loader())
-        return {"local_acc": result.accuracy, "local_loss": result.loss}
+    def local_model_stats(self, test_loader: Callable[[], Iterable], per_class: bool = False) -> dict[str, float]:
+        result = self.evaluate(test_loader(), per_class=per_class)
+        stats = {"local_acc": result.accuracy, "local_loss": result.loss}
+        if per_class:
+            stats["local_class_acc"] = result.class_accuracy.tolist()
+        return stats
 
     def finetune_start(self, client: int) -> FLModel:
         return self.model
@@ -708,7 +712,7 @@ class SharedModelMethod(FederatedMethod):
         self.log("global/test_loss", metrics.loss, on_epoch=True)
         self.log("global/test_acc", metrics.accuracy, on_epoch=True, prog_bar=True)
 
-    def evaluate(self, loader) -> EvalResult:
+    def evaluate(self, loader, per_class: bool = False) -> EvalResult:
         """The current `self.model` (with this method's class scores) on a loader."""
         return evaluate(self.model, loader, self.hparams.data_spec.num_classes, self.device,
-                        scores=self.predict_logits)
+                        scores=self.predict_logits, per_class=per_class)
