@@ -14,7 +14,7 @@ from fl_test_utils import fit, fixed_parts_module, toy_data
 from torch import nn
 
 from fl_lightning.analysis.callback import AnalysisCallback
-from fl_lightning.analysis.divergence import classwise_accuracy, client_updates, divergence_stats, partition_counts
+from fl_lightning.analysis.divergence import classwise_accuracy, divergence_stats, partition_counts, update_gram
 from fl_lightning.analysis.hessian import hessian_spectrum, hutchinson_trace
 from fl_lightning.analysis.objective import SubsetObjective, flatten, unflatten
 from fl_lightning.analysis.surface import filter_normalized_direction, surface_2d
@@ -166,13 +166,13 @@ def test_divergence_statistics_by_hand():
     uploads = [{"w": torch.tensor([3.0, 0.0]), "b": torch.tensor([4.0]), "buf": torch.ones(1)},
                {"w": torch.tensor([0.0, 1.0]), "b": torch.tensor([0.0]), "buf": torch.ones(1)},
                {"w": torch.tensor([-3.0, 0.0]), "b": torch.tensor([-4.0]), "buf": torch.ones(1)}]
-    stats = divergence_stats(client_updates(uploads, g))
+    stats = divergence_stats(update_gram(uploads, g))
     assert stats["client_global_dist_mean"] == pytest.approx((5 + 1 + 5) / 3)
     assert stats["client_global_dist_max"] == 5 and stats["client_global_dist_min"] == 1
     pairs = [math.sqrt(9 + 1 + 16), 10.0, math.sqrt(9 + 1 + 16)]
     assert stats["client_pair_dist_mean"] == pytest.approx(sum(pairs) / 3)
     assert stats["update_cosine_mean"] == pytest.approx((0 + -1 + 0) / 3)
-    assert client_updates([{"protos": torch.ones(3)}], g) is None
+    assert update_gram([{"protos": torch.ones(3)}], g) is None
 
 
 def test_classwise_accuracy_by_hand():

@@ -36,7 +36,7 @@ from torch.func import functional_call
 
 from fl_lightning import compat
 from fl_lightning.analysis import plots
-from fl_lightning.analysis.divergence import classwise_accuracy, client_updates, divergence_stats, partition_counts
+from fl_lightning.analysis.divergence import classwise_accuracy, divergence_stats, partition_counts, update_gram
 from fl_lightning.analysis.hessian import hessian_spectrum
 from fl_lightning.analysis.objective import HVP_MODES, SubsetObjective, eval_mode
 from fl_lightning.analysis.surface import DIRECTION_KINDS, filter_normalized_direction, slice_1d, surface_2d
@@ -257,9 +257,9 @@ class AnalysisCallback(L.Callback):
         report = federation.round_report if federation is not None else None
         uploads = report.uploads if report is not None else []
         out: dict[str, float] = {}
-        updates = client_updates([u.weights for u in uploads], self._round_start or {})
-        if updates is not None:
-            stats = divergence_stats(updates)
+        gram = update_gram([u.weights for u in uploads], self._round_start or {})
+        if gram is not None:
+            stats = divergence_stats(gram)
             # the mean is the round's `local/drift_mean` (every client's ||w_k - w_g||), logged always
             stats.pop("client_global_dist_mean")
             out.update(stats)

@@ -14,27 +14,31 @@ import torch
 from fl_lightning.evaluation import fresh_evaluation
 
 
-def client_updates(uploads: Sequence[Mapping[str, torch.Tensor]], global_params: Mapping[str, torch.Tensor],
-                   ) -> torch.Tensor | None:
-    """Rows w_k - w_g (float64) over the parameters every upload carries, or None when the uploads
-    hold no model parameters (e.g. prototypes)."""
+def update_gram(uploads: Sequence[Mapping[str, torch.Tensor]], global_params: Mapping[str, torch.Tensor],
+                ) -> torch.Tensor | None:
+    """The Gram matrix G_ij = <w_i - w_g, w_j - w_g> (float64) of the clients' updates over the
+    parameters every upload carries, or None when the uploads hold no model parameters (e.g.
+    prototypes). Summed one parameter tensor at a time: the clients' whole flattened updates in
+    float64 would take clients x parameters x 8 bytes at once (880 MB for 10 ResNet-18 clients)."""
     names = [n for n in global_params if all(n in u for u in uploads)]
     if not uploads or not names:
         return None
-    rows = [torch.cat([(u[n].double() - global_params[n].double()).reshape(-1).cpu() for n in names])
-            for u in uploads]
-    return torch.stack(rows)
+    gram = torch.zeros(len(uploads), len(uploads), dtype=torch.float64)
+    for n in names:
+        g = global_params[n].detach().reshape(1, -1).double()
+        rows = torch.stack([u[n].detach().reshape(-1) for u in uploads]).double() - g
+        gram += (rows @ rows.T).cpu()
+    return gram
 
 
-def divergence_stats(updates: torch.Tensor) -> dict[str, float]:
+def divergence_stats(gram: torch.Tensor) -> dict[str, float]:
     """||w_k - w_g|| summary over clients, and the mean over client pairs of ||w_i - w_j|| and of
-    cos(w_i - w_g, w_j - w_g), from one Gram matrix of the updates."""
-    gram = updates @ updates.T
+    cos(w_i - w_g, w_j - w_g), from the Gram matrix of the updates (`update_gram`)."""
     sq = gram.diagonal()
     dist = sq.clamp_min(0).sqrt()
     out = {"client_global_dist_mean": float(dist.mean()), "client_global_dist_std": float(dist.std(unbiased=False)),
            "client_global_dist_min": float(dist.min()), "client_global_dist_max": float(dist.max())}
-    k = len(updates)
+    k = len(gram)
     if k >= 2:
         i, j = torch.triu_indices(k, k, offset=1)
         pair_dist = (sq[i] + sq[j] - 2 * gram[i, j]).clamp_min(0).sqrt()
