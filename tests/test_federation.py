@@ -216,3 +216,8 @@ def test_every_typed_field_of_an_upload_is_checked_for_finiteness():
                          ("label_counts", torch.tensor([float("nan")]))]:
         bad = ClientUpload(0, 1, {"w": torch.ones(2)}, **{field: value})
         assert not all_finite(bad), field
+    # finite values whose sum overflows are finite; a NaN beside them, or an inf, is not
+    huge = torch.tensor([3e38, 3e38, -1.0])
+    assert all_finite({"w": huge}) and all_finite({"w": huge.to(torch.bfloat16)})
+    assert not all_finite({"w": torch.cat([huge, torch.tensor([float("nan")])])})
+    assert not all_finite({"w": torch.tensor([float("inf"), -float("inf")])})  # a sum of NaN
