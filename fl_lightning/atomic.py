@@ -6,6 +6,7 @@ are removed by `remove_stray_temporaries` on the next start."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -16,13 +17,22 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write `data` to `path` so that a reader (or a process killed mid-write) sees either the old
     content or all of the new one: temp file in the same directory, fsync, rename, fsync the dir."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f"{TEMP_MARK}{os.getpid()}-{path.name}")
-    with open(temp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(temp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException as err:
+        # a full disk keeps no half-written temporary (it would hold the space a resume needs),
+        # nor does a signal; and the error names the file being written (f.write's does not)
+        with contextlib.suppress(OSError):
+            temp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.filename is None:
+            err.filename = str(path)
+        raise
     fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(fd)  # the rename itself must reach the disk before we call the round saved

@@ -65,6 +65,7 @@ from fl_lightning.outcome import (
     EXIT_STOPPED,
     EXIT_USER_ERROR,
     FLInterrupted,
+    describe_refusal,
     disk_refused,
     lost_peer,
 )
@@ -458,7 +459,7 @@ def one_line_error(err: BaseException, args: list[str] | None = None) -> tuple[s
         return _lost_line(), EXIT_LOST
     refused = disk_refused(err)
     if refused is not None:
-        return (f"the disk refused a write ({refused.strerror}: {refused.filename}){_saved_rounds()}; make room "
+        return (f"the disk refused a write ({describe_refusal(refused)}){_saved_rounds()}; make room "
                 f"(or make the run directory writable) and run the same command{_resume_hint()}"), EXIT_LOST
     if type(err).__name__ == "ArgumentError":  # jsonargparse's parse errors (exit_on_error=False)
         return _summarise_parse_error(str(err), args), EXIT_USER_ERROR
@@ -485,7 +486,7 @@ def _saved_rounds() -> str:
     checkpoint = getattr(cli, "round_checkpoint", None) if cli is not None else None
     if checkpoint is not None and checkpoint.last_path.exists():
         return f"; {checkpoint.rounds_saved} completed round(s) are saved in {checkpoint.last_path}"
-    return "; no round was completed"
+    return "; no completed round was saved"
 
 
 def _resume_hint() -> str:
@@ -507,7 +508,8 @@ def _interrupted_line(err: FLInterrupted) -> str:
     where = f" in round {trainer.current_epoch + 1}/{trainer.max_epochs}" if trainer is not None else ""
     if _resume_hint():
         return f"interrupted by {err}{where}{_saved_rounds()}: resume with the same command and --ckpt_path last"
-    return f"interrupted by {err}{where}; no round was completed, so there is nothing to resume: start the run again"
+    return (f"interrupted by {err}{where}; no completed round was saved, so there is nothing to resume: start the "
+            f"run again")
 
 
 class _ParserBuilt(BaseException):

@@ -100,13 +100,22 @@ def lost_peer(exception: BaseException) -> bool:
 
 
 def disk_refused(exception: BaseException) -> OSError | None:
-    """The OSError in `exception`'s chain that is the disk refusing a write, else None."""
+    """The OSError in `exception`'s chain that is the disk refusing a write, else None: the first
+    one that happened (the deepest in the chain; a refused round checkpoint, not W&B's media copy
+    that then failed on the same disk while the run was being ended)."""
     seen: BaseException | None = exception
+    found = None
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in DISK_ERRNOS:
-            return seen
+            found = seen
         seen = seen.__cause__ or seen.__context__
-    return None
+    return found
+
+
+def describe_refusal(refused: OSError) -> str:
+    """"No space left on device: <file>" (the file where the error knows it)."""
+    what = refused.strerror or f"errno {refused.errno}"
+    return f"{what}: {refused.filename}" if refused.filename else what
 
 
 def outcome_of_exception(exception: BaseException) -> tuple[Outcome, str]:
@@ -117,7 +126,7 @@ def outcome_of_exception(exception: BaseException) -> tuple[Outcome, str]:
         return Outcome.LOST, f"a process of the run was lost ({_first_line(exception)})"
     refused = disk_refused(exception)
     if refused is not None:
-        return Outcome.LOST, f"the disk refused a write ({refused.strerror}: {refused.filename})"
+        return Outcome.LOST, f"the disk refused a write ({describe_refusal(refused)})"
     return Outcome.CRASHED, f"{type(exception).__name__}: {_first_line(exception)}"
 
 

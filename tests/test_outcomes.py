@@ -7,6 +7,7 @@ documented exit code (fl_lightning/outcome.py), never a traceback."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -39,10 +40,13 @@ def env() -> dict:
     return e
 
 
-def start(root: Path, *args: str) -> subprocess.Popen:
+def start(root: Path, *args: str, session: bool = False) -> subprocess.Popen:
+    """The fit in a subprocess (`session`: in a session of its own, as a terminal's job: a signal
+    to its process group reaches every process of the run, and nothing else)."""
     return subprocess.Popen([sys.executable, "-m", "fl_lightning.cli", "fit", *TINY, *args,
                              "--trainer.default_root_dir", str(root)],
-                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=session)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
@@ -201,7 +205,51 @@ def test_a_process_killed_on_rank_1_ends_the_run_in_one_line_and_it_resumes(tmp_
     assert summary(root)["outcome"] == "finished" and summary(root)["rounds_completed"] == 3
 
 
+SAVED_1 = r"1 completed round\(s\) are saved in .*last\.ckpt"
+def test_a_signal_during_the_round_checkpoint_write_says_which_round_is_saved(tmp_path):
+    """The round-2 checkpoint was cut short: the line said 2 rounds were saved where the file holds
+    1, and the half-written temporary stayed until the next start."""
+    root = tmp_path / "run"
+    code, err = run(root, "--trainer.max_epochs", "3", callback("killswitch.KillSwitch", round=2, where="write",
+                                                               sig="SIGTERM"))
+    assert code == 143, err[-3000:]
+    assert_one_line(err, rf"error: interrupted by SIGTERM in round 2/3; {SAVED_1}: resume with the same command and "
+                         r"--ckpt_path last")
+    assert completed_rounds(torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)) == 1
+    assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["last.ckpt"]
+
+
 # ---- the disk refuses a write --------------------------------------------------------------------
+def test_a_refused_write_names_its_file_and_leaves_no_temporary(tmp_path, monkeypatch):
+    """On a full disk the half-written temporary held the space a resume needs, and the error
+    (from write/fsync) named no file: "No space left on device: None"."""
+    import fl_lightning.atomic as atomic
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(atomic.os, "fsync", full)
+    target = tmp_path / "checkpoints" / "last.ckpt"
+    with pytest.raises(OSError) as refused:
+        atomic.atomic_write_bytes(target, b"round")
+    assert refused.value.filename == str(target)
+    assert list(target.parent.iterdir()) == []
+
+
+def test_the_refused_write_named_is_the_first_one():
+    """A full disk refuses the round checkpoint, then W&B's media copy while the run is being
+    ended: the line names the checkpoint (the cause), not W&B's temporary file."""
+    from fl_lightning.outcome import disk_refused
+
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", "/runs/a/checkpoints/last.ckpt")
+        except OSError:
+            raise OSError(errno.ENOSPC, "No space left on device", "/tmp/wandb-media/x.table.json") from None
+    except OSError as err:
+        assert disk_refused(err).filename == "/runs/a/checkpoints/last.ckpt"
+
+
 @pytest.mark.parametrize("error,at", [("ENOSPC", 2), ("EROFS", 0)])
 def test_a_disk_that_refuses_writes_ends_in_one_line(tmp_path, error, at):
     root = tmp_path / "run"
