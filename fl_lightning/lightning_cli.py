@@ -261,6 +261,7 @@ class FLCLI(LightningCLI):
             self.save_config_callback = None  # config.yaml is the fit's: validate/test/analyze leave it alone
         trainer = super()._instantiate_trainer(config, callbacks)
         trainer.strategy.checkpoint_io = AtomicCheckpointIO(self.round_checkpoint)
+        compat.drop_sigterm_notifier(trainer)  # SIGTERM is this CLI's (_raise_interrupted), on every process
         federation = federation_of(trainer)
         if isinstance(trainer.strategy, DDPStrategy) and federation is not None:
             compat.set_collective_timeout(trainer.strategy, federation.collective_timeout)
@@ -281,6 +282,7 @@ class LostProcessWatchdog(Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if trainer.is_global_zero and compat.launched_processes(trainer) and self._thread is None:
+            compat.disarm_child_process_observer()  # this watchdog decides when a dead process ends the run
             self._thread = threading.Thread(target=self._watch, args=(trainer, pl_module), daemon=True)
             self._thread.start()
 
@@ -499,6 +501,8 @@ def _lost_line() -> str:
     trainer = _trainer()
     where = f" in round {trainer.current_epoch + 1}/{trainer.max_epochs}" if trainer is not None else ""
     lost = lost_processes(trainer) if trainer is not None else []
+    if not lost and _parent_gone():  # a process Lightning's launcher started outlived rank 0, its parent
+        lost = [f"rank 0 (pid {_INITIAL_PARENT}) is gone (killed, or ended without stopping this process)"]
     who = ", ".join(lost) if lost else "another process of the run stopped responding"
     return f"lost process: {who}{where}{_saved_rounds()}; run the same command{_resume_hint()} to resume"
 
@@ -569,9 +573,13 @@ def main(args: list[str] | None = None) -> None:
         cli = build_cli(args if in_process else None)
         code, line = cli.exit_code(), cli.stop_line()
     except FLInterrupted as err:
+        _stop_launched_processes()
         code, line = _after_interrupt(err)
     except Exception as err:
         reported = one_line_error(err, args)
+        _stop_launched_processes()
+        if reported is not None and reported[1] == EXIT_LOST and first and lost_peer(err):
+            _record_lost(reported[0])  # the summary's reason is the line (which names the process), not gloo's
         finish_wandb(exit_code=reported[1] if reported else 1)
         if reported is None:
             raise
@@ -584,10 +592,53 @@ def main(args: list[str] | None = None) -> None:
         if in_process:  # called in-process (tests, sweeps): leave the caller's handlers as they were
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-    if line and (first or _parent_gone()):
-        print(f"error: {line}", file=sys.stderr)
+    unsaid = [f"error: {line}"] if line and (first or _parent_gone()) else []
+    if not in_process:
+        _end_on_signal(code, unsaid)
+    while unsaid:
+        print(unsaid.pop(), file=sys.stderr, flush=True)
     if code:
         sys.exit(code)
+
+
+def _end_on_signal(code: int, unsaid: list[str]) -> None:
+    """The run has ended: a signal from here on (while the process exits: W&B's, torch's exit
+    functions) changes nothing; it ends the process at once, with the run's exit code and its
+    line if that is not printed yet."""
+
+    def handler(signum, frame) -> None:
+        while unsaid:
+            print(unsaid.pop(), file=sys.stderr)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, handler)
+
+
+def _stop_launched_processes() -> None:
+    """Rank 0 of a run that an error or a signal ends: the processes Lightning's launcher started
+    from it would only learn of it from their next collective (a lost peer) and report it as a
+    second line, so they are stopped (SIGKILL: they hold nothing the run still needs, the round
+    checkpoint and the records are rank 0's) before rank 0 reports and exits."""
+    trainer = _trainer()
+    if trainer is None:
+        return
+    for _, proc in compat.launched_processes(trainer):
+        with contextlib.suppress(OSError):
+            proc.kill()
+        with contextlib.suppress(Exception):
+            proc.wait(timeout=10)
+
+
+def _record_lost(line: str) -> None:
+    trainer = _trainer()
+    results = next((c for c in getattr(trainer, "callbacks", []) if isinstance(c, ResultsCallback)), None)
+    if results is not None and trainer.lightning_module is not None:
+        with contextlib.suppress(Exception):
+            results.record_lost(trainer, trainer.lightning_module, line)
 
 
 def _after_interrupt(err: FLInterrupted) -> tuple[int, str | None]:

@@ -95,7 +95,12 @@ def lost_processes(trainer: Any, wait: float = 2.0) -> list[str]:
             code = proc.poll()
             if code is None or code in (0, EXIT_STOPPED):
                 continue
-            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            if code < 0:
+                how = f"was killed by {signal.Signals(-code).name}"
+            elif code - 128 in (signal.SIGINT, signal.SIGTERM):  # it took a signal of its own and stopped
+                how = f"stopped on {signal.Signals(code - 128).name} (exit code {code})"
+            else:
+                how = f"exited with code {code}"
             lost.append(f"rank {rank} (pid {proc.pid}) {how}")
         if lost or not children or time.monotonic() >= deadline:
             return lost

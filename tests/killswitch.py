@@ -4,6 +4,7 @@ or a lost node) or sends it a signal (a preempted job, an impatient Ctrl-C); `Di
 disk refuse writes (full, read-only). Loaded into CLI subprocesses with
 `--trainer.callbacks+=<json>` and PYTHONPATH=tests."""
 
+import atexit
 import errno
 import os
 import signal
@@ -14,14 +15,16 @@ import fl_lightning.atomic as atomic
 
 
 class KillSwitch(L.Callback):
-    """`where`: "train" (after the round's first client trained), "eval" (during the global evaluation),
-    "write" (inside the checkpoint write: the temporary file is half written, then the process
-    dies before the rename), "end" (after the last round, its checkpoint and records: the run is
-    over). `round` is 1-based. `sig` is the signal's name. `rank`: fire only in the process of this
-    global rank (None: every process). `then`: a second signal sent while the first one is being
-    handled (from Lightning's exception hooks). `group`: the signal goes to the whole process group
-    (a local sweep started in a session of its own, with every run it started). `armed_by`: fire
-    only when this environment variable is set (so the same command can run again unharmed)."""
+    """`where`: "train" (after the round's first client trained), "eval" (during the global
+    evaluation), "write" (inside the checkpoint write: the temporary file is half written, then
+    the process dies before the rename), "end" (after the last round, its checkpoint and records:
+    the run is over), "exit" (while the process exits, after the CLI's main() returned: from an
+    atexit function, as W&B's and torch's run then). `round` is 1-based. `sig` is the signal's
+    name. `rank`: fire only in the process of this global rank (None: every process). `then`: a
+    second signal sent while the first one is being handled (from Lightning's exception hooks).
+    `group`: the signal goes to the whole process group (a local sweep started in a session of its
+    own, with every run it started). `armed_by`: fire only when this environment variable is set
+    (so the same command can run again unharmed)."""
 
     def __init__(self, round: int, where: str = "train", sig: str = "SIGKILL", rank: int | None = None,
                  then: str | None = None, group: bool = False, armed_by: str | None = None):
@@ -40,6 +43,8 @@ class KillSwitch(L.Callback):
         return trainer.current_epoch + 1 == self.round and (self.rank is None or trainer.global_rank == self.rank)
 
     def setup(self, trainer, pl_module, stage) -> None:
+        if self.where == "exit" and (self.rank is None or trainer.global_rank == self.rank):
+            atexit.register(self._fire)
         if self.where != "write":
             return
         real_fsync, switch = atomic.os.fsync, self

@@ -200,12 +200,72 @@ def test_a_process_killed_on_rank_1_ends_the_run_in_one_line_and_it_resumes(tmp_
     assert_one_line(err, r"error: lost process: rank 1 \(pid \d+\) was killed by SIGKILL in round 2/3; 1 completed "
                          r"round\(s\) are saved in .*last\.ckpt; run the same command with --ckpt_path last to resume")
     assert summary(root)["outcome"] == "lost"
+    assert summary(root)["reason"] == error_lines(err)[0].removeprefix("error: ")  # the line, not gloo's words
     code, err = run(root, "--trainer.max_epochs", "3", *TWO_PROCESSES, "--ckpt_path", "last")
     assert code == 0, err[-3000:]
     assert summary(root)["outcome"] == "finished" and summary(root)["rounds_completed"] == 3
 
 
 SAVED_1 = r"1 completed round\(s\) are saved in .*last\.ckpt"
+RANK_0_FAULTS = {
+    # a scheduler's SIGTERM to the run's main process: Lightning's own SIGTERM handler broadcast a
+    # flag from rank 0 inside the handler while rank 1 waited in the round's gather: both hung for
+    # the 30-minute collective timeout
+    "SIGTERM to rank 0": (dict(where="train", rank=0, sig="SIGTERM"), 143, "interrupted",
+                          rf"error: interrupted by SIGTERM in round 2/2; {SAVED_1}: resume with the same command "
+                          r"and --ckpt_path last"),
+    # Ctrl-C in a terminal reaches every process: the line was printed twice, or (Lightning's
+    # launcher SIGKILLs every process once one exits non-zero) not at all, with exit code 137
+    "Ctrl-C to every process": (dict(where="train", rank=1, sig="SIGINT", group=True), 130, "interrupted",
+                                rf"error: interrupted by SIGINT in round 2/2; {SAVED_1}: resume with the same "
+                                r"command and --ckpt_path last"),
+    # rank 1 waited for rank 0's checkpoint, lost its peer, and printed a second line (the disk
+    # refuses every write from round 2 on, summary.json's too: it stays round 1's)
+    "full disk": ("disk", EXIT_LOST, "running",
+                  rf"error: the disk refused a write \(No space left on device: .*\); {SAVED_1}; make room "
+                  r"\(or make the run directory writable\) and run the same command with --ckpt_path last"),
+    # rank 1 outlives its parent: it says so, and names rank 0 (the shell sees rank 0's -9)
+    "kill -9 of rank 0": (dict(where="train", rank=0), -signal.SIGKILL, "running",
+                          r"error: lost process: rank 0 \(pid \d+\) is gone .* in round 2/2; "
+                          rf"{SAVED_1}; run the same command with --ckpt_path last to resume"),
+    # after the last round: Lightning's handler sent SIGTERM on to rank 1, which stopped; rank 0
+    # then printed "lost process ... in round 3/2" and exited 4, with a traceback from an exit function
+    "SIGTERM to rank 0 after the end": (dict(where="end", rank=0, sig="SIGTERM"), 0, "finished", None),
+}
+
+
+@pytest.mark.parametrize("fault", list(RANK_0_FAULTS))
+def test_a_fault_of_a_two_process_run_ends_in_one_line_and_no_process_stays(tmp_path, fault):
+    switch, expected_code, outcome, pattern = RANK_0_FAULTS[fault]
+    inject = (callback("killswitch.DiskFault", round=2) if switch == "disk"
+              else callback("killswitch.KillSwitch", round=2, **switch))
+    root = tmp_path / "run"
+    proc = start(root, "--trainer.max_epochs", "2", *TWO_PROCESSES, inject, session=True)
+    try:
+        code, err = finish(proc, timeout=240)  # every process has closed the pipe: none is left
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"{fault}: the run hung")
+    assert code == expected_code, err[-3000:]
+    if pattern is None:
+        assert not error_lines(err) and "Traceback" not in err, err[-3000:]
+    else:
+        assert_one_line(err, pattern)
+    assert summary(root)["outcome"] == outcome
+    saved = completed_rounds(torch.load(root / "checkpoints" / "last.ckpt", weights_only=False))
+    assert saved == (2 if outcome == "finished" else 1)
+
+
+def test_a_signal_while_the_finished_process_exits_changes_nothing(tmp_path):
+    """SIGTERM from an exit function (W&B's and torch's run after main() returned) raised the
+    CLI's interrupt into the interpreter's shutdown: a traceback."""
+    root = tmp_path / "run"
+    code, err = run(root, "--trainer.max_epochs", "1", callback("killswitch.KillSwitch", round=1, where="exit",
+                                                               sig="SIGTERM"))
+    assert code == 0 and not error_lines(err) and "Traceback" not in err and "Exception ignored" not in err, err
+    assert summary(root)["outcome"] == "finished"
+
+
 def test_a_signal_during_the_round_checkpoint_write_says_which_round_is_saved(tmp_path):
     """The round-2 checkpoint was cut short: the line said 2 rounds were saved where the file holds
     1, and the half-written temporary stayed until the next start."""
