@@ -482,19 +482,31 @@ def _trainer():
     return getattr(cli, "trainer", None) if cli is not None else None
 
 
-def _saved_rounds() -> str:
-    """"; N completed round(s) are saved in <file>" when the round checkpoint exists."""
+def _saved_checkpoint() -> tuple[int, Path] | None:
+    """(completed rounds, file) of this run's round checkpoint: the rounds this process saved, or,
+    before it saved any (a resume that failed before its first round), the ones `--ckpt_path last`
+    holds; None without one (a new run, or one being overwritten)."""
     cli = FLCLI.active
     checkpoint = getattr(cli, "round_checkpoint", None) if cli is not None else None
-    if checkpoint is not None and checkpoint.last_path.exists():
-        return f"; {checkpoint.rounds_saved} completed round(s) are saved in {checkpoint.last_path}"
-    return "; no completed round was saved"
+    if checkpoint is None or not checkpoint.last_path.exists():
+        return None
+    if checkpoint.rounds_saved:
+        return checkpoint.rounds_saved, checkpoint.last_path
+    with contextlib.suppress(Exception):
+        resumed = cli._subcommand_config().get("ckpt_path")
+        if resumed and Path(resumed).resolve() == checkpoint.last_path.resolve() and cli.checkpoint_rounds:
+            return cli.checkpoint_rounds, checkpoint.last_path
+    return None
+
+
+def _saved_rounds() -> str:
+    """"; N completed round(s) are saved in <file>" when the run has a round checkpoint."""
+    saved = _saved_checkpoint()
+    return f"; {saved[0]} completed round(s) are saved in {saved[1]}" if saved else "; no completed round was saved"
 
 
 def _resume_hint() -> str:
-    cli = FLCLI.active
-    checkpoint = getattr(cli, "round_checkpoint", None) if cli is not None else None
-    return " with --ckpt_path last" if checkpoint is not None and checkpoint.last_path.exists() else ""
+    return " with --ckpt_path last" if _saved_checkpoint() else ""
 
 
 def _lost_line() -> str:

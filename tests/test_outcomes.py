@@ -404,6 +404,23 @@ def test_a_swapped_file_is_refused_through_the_cli_before_anything_trains(scaffo
     assert "Initializing" not in err and summary(root)["rounds_completed"] == 2  # nothing ran
 
 
+def test_a_resume_on_a_read_only_disk_says_how_many_rounds_are_saved(scaffold_run, tmp_path, capsys, monkeypatch):
+    """The run directory's lock is the first write of a resume: the line said "(Read-only file
+    system: None); 0 completed round(s) are saved" of a checkpoint holding 2."""
+    import fl_lightning.rundir as rundir
+
+    def read_only(fd, length):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    root = _copy(scaffold_run, tmp_path)
+    monkeypatch.setattr(rundir.os, "ftruncate", read_only)
+    code, err = _resume_in_process(root, capsys)
+    assert code == EXIT_LOST
+    assert_one_line(err, r"error: the disk refused a write \(Read-only file system: .*\.fl-lightning\.lock\); "
+                         r"2 completed round\(s\) are saved in .*last\.ckpt; make room .* and run the same command "
+                         r"with --ckpt_path last")
+
+
 def test_a_moved_run_directory_resumes_and_stray_temporaries_go(scaffold_run, tmp_path, capsys):
     """The checkpoint names its state files relative to itself; a killed writer's temporaries in
     the state folders are removed on the next start."""
