@@ -260,3 +260,36 @@ def test_bad_comparison_options_are_one_line(sweep_dir, args, message):
     code, out, err = report(str(sweep_dir), *args)
     assert code == 2 and out == "" and err.startswith("error: ") and message in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("text, message", [
+    ("paper: x\npublished: {metric: final_acc, entries: [\n", r"not valid YAML at line 3 \("),
+    ("- a\n- b\n", r"the file holds a list, not a mapping; expected a paper table with `published: "),
+    ("published: {metric: final_acc, entries: [{match: {seed_everything: 0}, acc: ninety}]}\n",
+     r"published entry 1: acc must be a number \(percent\) or null, got 'ninety'"),
+    ("published: {entries: [{match: {seed_everything: 0}, acc: 50.0, std: [1]}]}\n",
+     r"published entry 1: std must be a number \(percent\) or null, got \[1\]"),
+    ("published: {entries: [7]}\n", r"published entry 1 must be a mapping"),
+])
+def test_a_malformed_compare_table_is_one_line(sweep_dir, tmp_path, text, message):
+    """Bad YAML, a top-level list and a non-numeric `acc` were tracebacks (the last one after the
+    table had been printed)."""
+    import re
+
+    table = tmp_path / "table.yaml"
+    table.write_text(text)
+    code, out, err = report(str(sweep_dir), "--compare", str(table))
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert re.search(rf"^error: --compare {re.escape(str(table))}: {message}", err), err
+
+
+def test_a_record_with_a_non_integer_index_is_read_as_without_one(tmp_path):
+    """`index: "first"` in one sweep record: sorting the runs compared it with the others' numbers."""
+    d = tmp_path / "s"
+    make_run(d, "seed=0", {"seed_everything": 0}, final=0.5)
+    make_run(d, "seed=1", {"seed_everything": 1}, final=0.7)
+    record = d / ".sweep" / "seed=1.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "index": "first"}))
+    code, out, err = report(str(d))
+    assert code == 0 and "Traceback" not in err, err
+    assert "| X | 60.00 ± 10.00 | 60.00 ± 10.00 | 2 |" in out  # both runs, one row
