@@ -293,3 +293,14 @@ def test_a_record_with_a_non_integer_index_is_read_as_without_one(tmp_path):
     code, out, err = report(str(d))
     assert code == 0 and "Traceback" not in err, err
     assert "| X | 60.00 ± 10.00 | 60.00 ± 10.00 | 2 |" in out  # both runs, one row
+
+
+def test_csv_into_a_missing_directory_creates_it_and_onto_a_directory_is_one_line(sweep_dir, tmp_path):
+    """Both were tracebacks (open() of the path)."""
+    target = tmp_path / "new" / "deeper" / "table.csv"
+    code, out, err = report(str(sweep_dir), "--csv", str(target))
+    assert code == 0 and target.is_file() and f"(CSV: {target})" in out, err
+    code, out, err = report(str(sweep_dir), "--csv", str(tmp_path))
+    assert code == 1 and "| FedAvg |" in out and "Traceback" not in err
+    assert err.strip() == f"error: could not write {tmp_path} (Is a directory); the table above is complete; give " \
+                          f"--csv <a writable path>"
