@@ -376,7 +376,16 @@ DAMAGE = {
                                files[0].with_suffix(".tmp").rename(files[1])),
                 r"holds client \d+'s state \(files swapped\?\)"),
     "folder deleted": (lambda files: shutil.rmtree(files[0].parent), "is missing"),
+    "wrong architecture": (lambda files: _another_architecture(files[0]), "has \\d+ bytes where"),
 }
+
+
+def _another_architecture(path: Path) -> None:
+    """The same client's state from a run of another model (a file copied in from elsewhere)."""
+    from safetensors.torch import save
+
+    client = re.search(r"client(\d+)\.", path.name).group(1)
+    path.write_bytes(save({"body.0.weight": torch.zeros(16, 3, 5, 5)}, metadata={"client": client}))
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
@@ -421,15 +430,22 @@ def test_a_resume_on_a_read_only_disk_says_how_many_rounds_are_saved(scaffold_ru
                          r"with --ckpt_path last")
 
 
-def test_a_moved_run_directory_resumes_and_stray_temporaries_go(scaffold_run, tmp_path, capsys):
-    """The checkpoint names its state files relative to itself; a killed writer's temporaries in
-    the state folders are removed on the next start."""
-    root = _copy(scaffold_run, tmp_path / "elsewhere")
+def test_a_moved_run_directory_resumes_and_stray_temporaries_go(tmp_path, capsys):
+    """The checkpoint names its state files relative to itself (it named them by absolute path: a
+    moved run directory could not be resumed); a killed writer's temporaries in the state folders
+    are removed on the next start (those of the client-state store never were)."""
+    from fl_lightning.cli import main
+
+    first = tmp_path / "first"
+    main(["fit", *TINY, *SCAFFOLD, "--trainer.max_epochs", "2", "--trainer.logger", "false",
+          "--trainer.default_root_dir", str(first)])  # exits only on failure
+    root = first.rename(tmp_path / "elsewhere")  # the old path is gone
     stray = [root / "checkpoints" / "client_states" / ".partial-123-client3.v9.safetensors",
              root / "checkpoints" / "client_states" / "rank1" / ".partial-124-client4.v9.safetensors"]
     for path in stray:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"half")
+    capsys.readouterr()
     code, err = _resume_in_process(root, capsys)
     assert code == 0, err[-3000:]
     assert summary(root)["rounds_completed"] == 3 and summary(root)["outcome"] == "finished"
