@@ -136,6 +136,10 @@ class FLCLI(LightningCLI):
         if ckpt == "last":
             last = root / "checkpoints" / LAST
             if not last.exists():
+                if RunDirectory(root).holds_run():  # stopped (killed, interrupted) before its first round ended
+                    raise FLUserError(f"--ckpt_path last: no checkpoint at {last}: the run in {root} stopped before "
+                                      f"its first round was saved; start it again with --overwrite true instead of "
+                                      f"--ckpt_path last")
                 raise FLUserError(f"--ckpt_path last: no checkpoint at {last}; run fit with the same "
                                   f"trainer.default_root_dir first")
             ckpt = cfg["ckpt_path"] = str(last)

@@ -93,6 +93,10 @@ class RunDirectory:
         if self.holds_run():
             if not overwrite:
                 self.unlock()
+                if not (self.root / "checkpoints" / "last.ckpt").exists():
+                    raise FLUserError(f"{self.root} already holds a run, stopped before its first round was saved "
+                                      f"(nothing to resume); start it again with --overwrite true, or start this one "
+                                      f"in a new --trainer.default_root_dir")
                 raise FLUserError(f"{self.root} already holds a run; resume it with --ckpt_path last, start this one "
                                   f"in a new --trainer.default_root_dir, or replace it with --overwrite true")
             self.clear()

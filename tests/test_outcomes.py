@@ -175,6 +175,23 @@ def test_a_stopped_run_resumed_says_so_again_and_trains_nothing(tmp_path):
     assert summary(root)["rounds_completed"] == 2
 
 
+def test_a_run_killed_before_its_first_checkpoint_is_told_to_start_again_not_to_resume(tmp_path, capsys):
+    """`--ckpt_path last` said to run fit first, and fit said to resume with --ckpt_path last."""
+    from fl_lightning.cli import main
+
+    root = tmp_path / "run"
+    code, err = run(root, "--trainer.max_epochs", "2", callback("killswitch.KillSwitch", round=1, where="train"))
+    assert code == -signal.SIGKILL and not (root / "checkpoints" / "last.ckpt").exists()
+    for extra in (["--ckpt_path", "last"], []):
+        with pytest.raises(SystemExit) as stop:
+            main(["fit", *TINY, "--trainer.max_epochs", "2", "--trainer.logger", "false",
+                  "--trainer.default_root_dir", str(root), *extra])
+        line = capsys.readouterr().err.strip()
+        assert stop.value.code == EXIT_USER_ERROR and line.count("\n") == 0, line
+        assert "stopped before its first round was saved" in line and "--overwrite true" in line, line
+        assert "resume it" not in line and "run fit with the same" not in line, line
+
+
 # ---- signals ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("first,second", [("SIGTERM", "SIGINT"), ("SIGINT", "SIGINT")])
 def test_a_second_signal_during_the_clean_up_changes_nothing(tmp_path, first, second):
