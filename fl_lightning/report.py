@@ -30,7 +30,7 @@ import yaml
 from fl_lightning.atomic import atomic_write_bytes
 from fl_lightning.comparison import FIGURES, accuracy_key, curve, curves_png, difference, figure
 from fl_lightning.errors import FLUserError, OneLineArgumentParser
-from fl_lightning.outcome import read_outcome
+from fl_lightning.outcome import Outcome, read_outcome
 from fl_lightning.sweep import FINAL_STATES, SEED_KEYS, display_value, read_json, read_record, short_keys
 
 # Options that name where and how a run is stored, not what it computes.
@@ -51,12 +51,18 @@ class Run:
     @property
     def status(self) -> str:
         """The run's outcome as `outcome.read_outcome` reads it (finished, failed, diverged, ...);
-        "crashed" for a sweep run whose process failed without a final outcome, else "unfinished"."""
+        "crashed" for a sweep run whose process failed without a final outcome, else "unfinished"
+        (with what its summary says: interrupted, lost, or that it cannot be read)."""
         outcome = read_outcome(self.path)
         if outcome is not None and outcome.final:
             return outcome.value
         if (self.record or {}).get("status") == "crashed":
             return "crashed"
+        if outcome is None and (self.path / "summary.json").exists():
+            return ("unfinished (its summary.json cannot be read: the same fit command with --ckpt_path last "
+                    "writes it again)")
+        if outcome in (Outcome.INTERRUPTED, Outcome.LOST):
+            return f"unfinished ({outcome.value}: resume with --ckpt_path last)"
         return "unfinished"
 
 

@@ -304,3 +304,16 @@ def test_csv_into_a_missing_directory_creates_it_and_onto_a_directory_is_one_lin
     assert code == 1 and "| FedAvg |" in out and "Traceback" not in err
     assert err.strip() == f"error: could not write {tmp_path} (Is a directory); the table above is complete; give " \
                           f"--csv <a writable path>"
+
+
+def test_a_damaged_or_interrupted_run_is_named_with_what_to_do(sweep_dir):
+    """A truncated summary.json and an interrupted run were both just "unfinished"."""
+    (sweep_dir / "FedAvg-2" / "summary.json").write_text('{"method": "FedAvg", "outc')
+    interrupted = json.loads((sweep_dir / "SCAFFOLD-0" / "summary.json").read_text())
+    interrupted.update(outcome="interrupted", finished=False)
+    (sweep_dir / "SCAFFOLD-0" / "summary.json").write_text(json.dumps(interrupted))
+    code, out, err = report(str(sweep_dir))
+    assert code == 0, err
+    assert ("- FedAvg-2: unfinished (its summary.json cannot be read: the same fit command with --ckpt_path last "
+            "writes it again)") in out
+    assert "- SCAFFOLD-0: unfinished (interrupted: resume with --ckpt_path last)" in out
