@@ -32,6 +32,7 @@ command itself, with `sweep` and `report`, is cli.py).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -582,6 +583,10 @@ def main(args: list[str] | None = None) -> None:
     FLCLI.active = None
     first = is_first_process()  # rank 0 says what happened; the other ranks exit with the same code
     in_process = args is not None
+    if not in_process:
+        # registered first, so it runs last: from there on the interpreter tears itself down (its
+        # final garbage collection takes seconds) with Python's signal handlers gone
+        atexit.register(_block_signals_at_finalization)
     try:
         args = layered_config_args(list(args) if in_process else sys.argv[1:])
         if not in_process:
@@ -632,6 +637,13 @@ def _end_on_signal(code: int, unsaid: list[str]) -> None:
 
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, handler)
+
+
+def _block_signals_at_finalization() -> None:
+    """The last exit function of an `fl-lightning` process: the outcome is decided, printed and on
+    disk, and the exit code set; SIGTERM or SIGINT during the interpreter's teardown would otherwise
+    take the default action and turn a finished run's exit code 0 into death by the signal."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
 
 
 def _stop_launched_processes() -> None:

@@ -8,6 +8,7 @@ import atexit
 import errno
 import os
 import signal
+import time
 
 import lightning as L
 
@@ -19,12 +20,13 @@ class KillSwitch(L.Callback):
     evaluation), "write" (inside the checkpoint write: the temporary file is half written, then
     the process dies before the rename), "end" (after the last round, its checkpoint and records:
     the run is over), "exit" (while the process exits, after the CLI's main() returned: from an
-    atexit function, as W&B's and torch's run then). `round` is 1-based. `sig` is the signal's
-    name. `rank`: fire only in the process of this global rank (None: every process). `then`: a
-    second signal sent while the first one is being handled (from Lightning's exception hooks).
-    `group`: the signal goes to the whole process group (a local sweep started in a session of its
-    own, with every run it started). `armed_by`: fire only when this environment variable is set
-    (so the same command can run again unharmed)."""
+    atexit function, as W&B's and torch's run then), "finalization" (later still: while the
+    interpreter tears itself down after its last exit function, from an object's __del__).
+    `round` is 1-based. `sig` is the signal's name. `rank`: fire only in the process of this
+    global rank (None: every process). `then`: a second signal sent while the first one is being
+    handled (from Lightning's exception hooks). `group`: the signal goes to the whole process group
+    (a local sweep started in a session of its own, with every run it started). `armed_by`: fire
+    only when this environment variable is set (so the same command can run again unharmed)."""
 
     def __init__(self, round: int, where: str = "train", sig: str = "SIGKILL", rank: int | None = None,
                  then: str | None = None, group: bool = False, armed_by: str | None = None):
@@ -45,6 +47,9 @@ class KillSwitch(L.Callback):
     def setup(self, trainer, pl_module, stage) -> None:
         if self.where == "exit" and (self.rank is None or trainer.global_rank == self.rank):
             atexit.register(self._fire)
+        if self.where == "finalization" and self.armed:
+            global _AT_FINALIZATION
+            _AT_FINALIZATION = _SignalWhenCollected(self.sig)
         if self.where != "write":
             return
         real_fsync, switch = atomic.os.fsync, self
@@ -76,6 +81,22 @@ class KillSwitch(L.Callback):
     def on_exception(self, trainer, pl_module, exception) -> None:
         if self.then is not None:
             os.kill(os.getpid(), self.then)
+
+
+_AT_FINALIZATION = None
+
+
+class _SignalWhenCollected:
+    """Sends `sig` to this process when collected: a module global is collected while the
+    interpreter finalizes, after every exit function (everything it needs is bound now: module
+    globals may be gone by then)."""
+
+    def __init__(self, sig: int):
+        self.sig, self._kill, self._pid, self._sleep = sig, os.kill, os.getpid(), time.sleep
+
+    def __del__(self):
+        self._kill(self._pid, self.sig)
+        self._sleep(0.2)  # a signal with its default action would end the process here
 
 
 class DiskFault(L.Callback):
