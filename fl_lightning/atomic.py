@@ -30,7 +30,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         # nor does a signal; and the error names the file being written (f.write's does not)
         with contextlib.suppress(OSError):
             temp.unlink(missing_ok=True)
-        if isinstance(err, OSError) and err.filename is None:
+        if isinstance(err, OSError) and err.filename in (None, str(temp)):
             err.filename = str(path)
         raise
     fd = os.open(path.parent, os.O_RDONLY)

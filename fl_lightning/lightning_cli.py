@@ -38,6 +38,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback, Checkpoint, ProgressBar
@@ -65,12 +66,13 @@ from fl_lightning.outcome import (
     EXIT_LOST,
     EXIT_STOPPED,
     EXIT_USER_ERROR,
+    REPORTED_ELSEWHERE,
     FLInterrupted,
     describe_refusal,
     disk_refused,
     lost_peer,
 )
-from fl_lightning.parallel import check_process_count, client_strategy_name, lost_processes
+from fl_lightning.parallel import check_process_count, client_strategy_name, lost_processes, reported_elsewhere
 from fl_lightning.personalization import PersonalizationCallback
 from fl_lightning.progress import RoundProgressBar
 from fl_lightning.results import ResultsCallback
@@ -306,11 +308,13 @@ class LostProcessWatchdog(Callback):
                 if results is not None:
                     with contextlib.suppress(Exception):
                         results.record_lost(trainer, pl_module, line)
-                print(f"error: {line}", file=sys.stderr, flush=True)
+                elsewhere = reported_elsewhere(trainer, wait=0)  # that process printed the line itself
+                if elsewhere is None:
+                    print(f"error: {line}", file=sys.stderr, flush=True)
                 for _, proc in compat.launched_processes(trainer):
                     with contextlib.suppress(OSError):
                         proc.kill()
-                os._exit(EXIT_LOST)
+                os._exit(EXIT_LOST if elsewhere is None else elsewhere)
 
 
 TRAINER_DEFAULTS = {
@@ -583,6 +587,7 @@ def main(args: list[str] | None = None) -> None:
     FLCLI.active = None
     first = is_first_process()  # rank 0 says what happened; the other ranks exit with the same code
     in_process = args is not None
+    own_error = False  # a process other than rank 0 failed on its own and says so itself
     if not in_process:
         # registered first, so it runs last: from there on the interpreter tears itself down (its
         # final garbage collection takes seconds) with Python's signal handlers gone
@@ -598,22 +603,35 @@ def main(args: list[str] | None = None) -> None:
         code, line = _after_interrupt(err)
     except Exception as err:
         reported = one_line_error(err, args)
-        _stop_launched_processes()
         if reported is not None and reported[1] == EXIT_LOST and first and lost_peer(err):
-            _record_lost(reported[0])  # the summary's reason is the line (which names the process), not gloo's
+            trainer = _trainer()
+            elsewhere = None if trainer is None else reported_elsewhere(trainer, wait=_REPORT_GRACE_SECONDS + 2)
+            # the summary's reason is the line (which names the process), not gloo's words
+            _record_lost(reported[0] if elsewhere is None else _lost_line())
+            if elsewhere is not None:  # that process printed the line (a damaged file, a full disk)
+                reported = (None, elsewhere)
+        _stop_launched_processes()
         finish_wandb(exit_code=reported[1] if reported else 1)
         if reported is None:
             raise
         code, line = reported[1], reported[0]
-        if code == EXIT_LOST and not first and not _parent_gone():
-            line = None  # rank 0 names the lost process
+        if not first and not _parent_gone():
+            if lost_peer(err):
+                line = None  # rank 0 names the lost process
+            elif line and _launched_by_rank_0():
+                # its own error, which rank 0 only sees as a vanished peer: this process says it
+                # (after a moment in which rank 0, failing alike, would have stopped it) and tells
+                # rank 0 by its exit code that it did
+                time.sleep(_REPORT_GRACE_SECONDS)
+                code += REPORTED_ELSEWHERE
+                own_error = True
     finally:
         if FLCLI.active is not None and FLCLI.active.run_dir is not None:
             FLCLI.active.run_dir.unlock()
         if in_process:  # called in-process (tests, sweeps): leave the caller's handlers as they were
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-    unsaid = [f"error: {line}"] if line and (first or _parent_gone()) else []
+    unsaid = [f"error: {line}"] if line and (first or _parent_gone() or own_error) else []
     if not in_process:
         _end_on_signal(code, unsaid)
     while unsaid:
@@ -682,6 +700,14 @@ def _after_interrupt(err: FLInterrupted) -> tuple[int, str | None]:
 
 
 _INITIAL_PARENT = os.getppid()
+_REPORT_GRACE_SECONDS = 3.0
+
+
+def _launched_by_rank_0() -> bool:
+    """This process is one Lightning's launcher started from rank 0 on this machine (ranks 1.. of
+    `--trainer.strategy ddp`; not a process of torchrun or srun, whose agents start every rank)."""
+    return (not is_first_process() and int(os.environ.get("LOCAL_RANK", "0") or 0) > 0
+            and not any(name in os.environ for name in ("RANK", "TORCHELASTIC_RUN_ID", "SLURM_LOCALID")))
 
 
 def _parent_gone() -> bool:

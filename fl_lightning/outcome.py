@@ -37,6 +37,11 @@ class Outcome(StrEnum):
 
 
 EXIT_OK, EXIT_CRASHED, EXIT_USER_ERROR, EXIT_STOPPED, EXIT_LOST = 0, 1, 2, 3, 4
+# A process Lightning's launcher started (rank > 0 on one machine) that failed on its own (a
+# damaged state file, the disk refusing its write) prints its line itself and exits with this plus
+# its exit code, so that rank 0, which only sees its peer vanish, says nothing more and exits with
+# that code: a private code between the run's processes, never the command's.
+REPORTED_ELSEWHERE = 64
 
 
 def read_outcome(run_dir: str | Path) -> Outcome | None:

@@ -102,10 +102,11 @@ class _SignalWhenCollected:
 class DiskFault(L.Callback):
     """From round `round` (1-based) on, every atomic write (results, checkpoints, client-state
     files) fails with `error` ("ENOSPC": the disk is full; "EROFS": it is read-only), as the OS
-    would report it; `round` 0 fails from the start of the fit."""
+    would report it; `round` 0 fails from the start of the fit. `rank`: only in the process of this
+    global rank (None: every process)."""
 
-    def __init__(self, round: int, error: str = "ENOSPC"):
-        self.round, self.errno = round, getattr(errno, error)
+    def __init__(self, round: int, error: str = "ENOSPC", rank: int | None = None):
+        self.round, self.errno, self.rank = round, getattr(errno, error), rank
 
     def _break(self) -> None:
         code = self.errno
@@ -118,9 +119,9 @@ class DiskFault(L.Callback):
         atomic.open = refuse  # the module's writes find this before the builtin
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        if self.round == 0:
+        if self.round == 0 and self.rank in (None, trainer.global_rank):
             self._break()
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        if self.round and trainer.current_epoch + 1 == self.round:
+        if self.round and trainer.current_epoch + 1 == self.round and self.rank in (None, trainer.global_rank):
             self._break()

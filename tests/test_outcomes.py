@@ -32,6 +32,7 @@ TINY = ["--config", str(S / "mnist5k.yaml"), "--config", str(M / "fedsol" / "fed
         "--data.min_size", "5", "--federation.eval_local_models", "false", "--trainer.enable_progress_bar", "false",
         "--analysis.partition", "false"]
 TWO_PROCESSES = ["--trainer.accelerator", "cpu", "--trainer.strategy", "ddp", "--trainer.devices", "2"]
+SCAFFOLD = ["--model", "SCAFFOLD", "--data.sample_ratio", "0.5"]  # the setting's FedAvg swapped for SCAFFOLD
 
 
 def env() -> dict:
@@ -238,9 +239,15 @@ RANK_0_FAULTS = {
                                 r"command and --ckpt_path last"),
     # rank 1 waited for rank 0's checkpoint, lost its peer, and printed a second line (the disk
     # refuses every write from round 2 on, summary.json's too: it stays round 1's)
-    "full disk": ("disk", EXIT_LOST, "running",
+    "full disk": (dict(disk=None), EXIT_LOST, "running",
                   rf"error: the disk refused a write \(No space left on device: .*\); {SAVED_1}; make room "
                   r"\(or make the run directory writable\) and run the same command with --ckpt_path last"),
+    # only rank 1's write is refused (its SCAFFOLD states, written after the round): rank 1 exited
+    # 4 without a word, and rank 0 said "lost process: rank 1 (pid ...) exited with code 4"
+    "full disk on rank 1": (dict(disk=1), EXIT_LOST, "lost",
+                            r"error: the disk refused a write \(No space left on device: .*/client_states/rank1/"
+                            rf"client\d+\.v\d+\.safetensors\); {SAVED_1}; make room \(or make the run directory "
+                            r"writable\) and run the same command with --ckpt_path last"),
     # rank 1 outlives its parent: it says so, and names rank 0 (the shell sees rank 0's -9)
     "kill -9 of rank 0": (dict(where="train", rank=0), -signal.SIGKILL, "running",
                           r"error: lost process: rank 0 \(pid \d+\) is gone .* in round 2/2; "
@@ -254,10 +261,12 @@ RANK_0_FAULTS = {
 @pytest.mark.parametrize("fault", list(RANK_0_FAULTS))
 def test_a_fault_of_a_two_process_run_ends_in_one_line_and_no_process_stays(tmp_path, fault):
     switch, expected_code, outcome, pattern = RANK_0_FAULTS[fault]
-    inject = (callback("killswitch.DiskFault", round=2) if switch == "disk"
-              else callback("killswitch.KillSwitch", round=2, **switch))
+    if "disk" in switch:
+        inject = [callback("killswitch.DiskFault", round=2, rank=switch["disk"]), *SCAFFOLD]
+    else:
+        inject = [callback("killswitch.KillSwitch", round=2, **switch)]
     root = tmp_path / "run"
-    proc = start(root, "--trainer.max_epochs", "2", *TWO_PROCESSES, inject, session=True)
+    proc = start(root, "--trainer.max_epochs", "2", *TWO_PROCESSES, *inject, session=True)
     try:
         code, err = finish(proc, timeout=240)  # every process has closed the pipe: none is left
     except subprocess.TimeoutExpired:
@@ -345,7 +354,6 @@ def test_a_disk_that_refuses_writes_ends_in_one_line(tmp_path, error, at):
 
 
 # ---- damaged client-state files ------------------------------------------------------------------
-SCAFFOLD = ["--model", "SCAFFOLD", "--data.sample_ratio", "0.5"]  # the setting's FedAvg swapped for SCAFFOLD
 
 
 @pytest.fixture(scope="module")
