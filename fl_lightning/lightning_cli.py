@@ -472,6 +472,12 @@ def one_line_error(err: BaseException, args: list[str] | None = None) -> tuple[s
     if refused is not None:
         return (f"the disk refused a write ({describe_refusal(refused)}){_saved_rounds()}; make room "
                 f"(or make the run directory writable) and run the same command{_resume_hint()}"), EXIT_LOST
+    if isinstance(err, ValueError) and "Expected more than 1 value per channel when training" in str(err):
+        data = getattr(getattr(FLCLI.active, "datamodule", None), "hparams", None)
+        size = f" (its size is 1 more than a multiple of data.batch_size {data.batch_size})" if data else ""
+        return (f"a mini-batch of 1 sample reached a BatchNorm layer in training (batch norm needs at least 2 "
+                f"samples): a client's data ends in a 1-sample batch{size}; choose another --data.batch_size, or a "
+                f"model without BatchNorm"), EXIT_USER_ERROR
     if type(err).__name__ == "ArgumentError":  # jsonargparse's parse errors (exit_on_error=False)
         return _summarise_parse_error(str(err), args), EXIT_USER_ERROR
     from lightning.fabric.utilities.exceptions import MisconfigurationException
