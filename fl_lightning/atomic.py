@@ -6,6 +6,7 @@ are removed by `remove_stray_temporaries` on the next start."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -20,14 +21,23 @@ def atomic_write_bytes(path: str | Path, data: bytes, durable: bool = True) -> N
     write is still atomic for readers and for a killed process, but a crash of the machine itself
     may lose it. For files rebuilt from the (durable) round checkpoint when a run resumes."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f"{TEMP_MARK}{os.getpid()}-{path.name}")
-    with open(temp, "wb") as f:
-        f.write(data)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(temp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(temp, "wb") as f:
+            f.write(data)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException as err:
+        # a full disk keeps no half-written temporary (it would hold the space a resume needs),
+        # nor does a signal; and the error names the file being written (f.write's does not)
+        with contextlib.suppress(OSError):
+            temp.unlink(missing_ok=True)
+        if isinstance(err, OSError) and err.filename in (None, str(temp)):
+            err.filename = str(path)
+        raise
     if not durable:
         return
     fd = os.open(path.parent, os.O_RDONLY)

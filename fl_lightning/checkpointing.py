@@ -113,10 +113,13 @@ class RoundCheckpoint(Checkpoint):
         # A resumed run replays the end-of-epoch hooks of the round it restored: saved already.
         if not trainer.sanity_checking and self._saved_epoch != trainer.current_epoch:
             self.saving = True
-            started = time.perf_counter()
+            started, previous = time.perf_counter(), self._saved_epoch
             try:
-                self._saved_epoch = trainer.current_epoch
+                self._saved_epoch = trainer.current_epoch  # recorded in the file being written
                 trainer.save_checkpoint(self.last_path, weights_only=False)  # the whole run, loops included
+            except BaseException:
+                self._saved_epoch = previous  # not saved: a signal or a full disk cut the write short
+                raise
             finally:
                 self.saving = False
             if trainer.is_global_zero:  # benchmarks/checkpoint_cost.py reads this line

@@ -39,6 +39,39 @@ def launched_processes(trainer) -> list[tuple[int, object]]:
     return [(base + local_rank, proc) for local_rank, proc in enumerate(procs, start=1)]
 
 
+def drop_sigterm_notifier(trainer) -> None:
+    """Lightning answers SIGTERM (`_SignalConnector._sigterm_notifier_fn`, registered when a fit,
+    validate or test starts) by sending SIGTERM to the processes its launcher started and then
+    broadcasting a flag from rank 0, inside the signal handler: a collective the other processes
+    are not in (they wait in the round's gather), so both wait for the collective timeout (30
+    minutes). The CLI handles the signal itself (lightning_cli.py: the run ends with exit 143, and
+    rank 0 stops the processes it started), so Lightning's notifier does nothing here."""
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is None or not hasattr(connector, "_sigterm_notifier_fn"):
+        raise RuntimeError("Lightning's trainer has no _signal_connector._sigterm_notifier_fn any more: "
+                           "update fl_lightning/compat.py")
+    connector._sigterm_notifier_fn = lambda signum, frame: None
+
+
+def disarm_child_process_observer() -> None:
+    """Lightning's launcher watches the processes it started (`_ChildProcessObserver`, a thread of
+    rank 0) and, as soon as one has exited with a non-zero code, SIGKILLs every process, rank 0
+    included: a process that ended the way the run decided (exit 3 after a divergence, 130 after
+    Ctrl-C) would cut rank 0 short before it records the outcome and prints its line. The CLI's
+    own watchdog (lightning_cli.LostProcessWatchdog) takes over: it ends the run only when a
+    process died and rank 0 has not ended it itself within a grace period."""
+    import threading
+
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+    for thread in threading.enumerate():
+        if isinstance(thread, _ChildProcessObserver):
+            if not hasattr(thread, "_terminate_all"):
+                raise RuntimeError("Lightning's _ChildProcessObserver has no _terminate_all any more: "
+                                   "update fl_lightning/compat.py")
+            thread._terminate_all = lambda: None
+
+
 def set_collective_timeout(strategy, seconds: float) -> None:
     """The timeout of the process group a DDP strategy creates (`DDPStrategy._timeout`, read when
     the group is initialised)."""

@@ -32,11 +32,13 @@ command itself, with `sweep` and `report`, is cli.py).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from lightning.pytorch.callbacks import Callback, Checkpoint, ProgressBar
@@ -64,11 +66,13 @@ from fl_lightning.outcome import (
     EXIT_LOST,
     EXIT_STOPPED,
     EXIT_USER_ERROR,
+    REPORTED_ELSEWHERE,
     FLInterrupted,
+    describe_refusal,
     disk_refused,
     lost_peer,
 )
-from fl_lightning.parallel import check_process_count, client_strategy_name, lost_processes
+from fl_lightning.parallel import check_process_count, client_strategy_name, lost_processes, reported_elsewhere
 from fl_lightning.personalization import PersonalizationCallback
 from fl_lightning.progress import RoundProgressBar
 from fl_lightning.results import ResultsCallback
@@ -143,6 +147,10 @@ class FLCLI(LightningCLI):
         if ckpt == "last":
             last = root / "checkpoints" / LAST
             if not last.exists():
+                if RunDirectory(root).holds_run():  # stopped (killed, interrupted) before its first round ended
+                    raise FLUserError(f"--ckpt_path last: no checkpoint at {last}: the run in {root} stopped before "
+                                      f"its first round was saved; start it again with --overwrite true instead of "
+                                      f"--ckpt_path last")
                 raise FLUserError(f"--ckpt_path last: no checkpoint at {last}; run fit with the same "
                                   f"trainer.default_root_dir first")
             ckpt = cfg["ckpt_path"] = str(last)
@@ -270,6 +278,7 @@ class FLCLI(LightningCLI):
             self.save_config_callback = None  # config.yaml is the fit's: validate/test/analyze leave it alone
         trainer = super()._instantiate_trainer(config, callbacks)
         trainer.strategy.checkpoint_io = AtomicCheckpointIO(self.round_checkpoint)
+        compat.drop_sigterm_notifier(trainer)  # SIGTERM is this CLI's (_raise_interrupted), on every process
         federation = federation_of(trainer)
         if isinstance(trainer.strategy, DDPStrategy) and federation is not None:
             compat.set_collective_timeout(trainer.strategy, federation.collective_timeout)
@@ -290,6 +299,7 @@ class LostProcessWatchdog(Callback):
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         if trainer.is_global_zero and compat.launched_processes(trainer) and self._thread is None:
+            compat.disarm_child_process_observer()  # this watchdog decides when a dead process ends the run
             self._thread = threading.Thread(target=self._watch, args=(trainer, pl_module), daemon=True)
             self._thread.start()
 
@@ -308,11 +318,13 @@ class LostProcessWatchdog(Callback):
                 if results is not None:
                     with contextlib.suppress(Exception):
                         results.record_lost(trainer, pl_module, line)
-                print(f"error: {line}", file=sys.stderr, flush=True)
+                elsewhere = reported_elsewhere(trainer, wait=0)  # that process printed the line itself
+                if elsewhere is None:
+                    print(f"error: {line}", file=sys.stderr, flush=True)
                 for _, proc in compat.launched_processes(trainer):
                     with contextlib.suppress(OSError):
                         proc.kill()
-                os._exit(EXIT_LOST)
+                os._exit(EXIT_LOST if elsewhere is None else elsewhere)
 
 
 TRAINER_DEFAULTS = {
@@ -493,8 +505,14 @@ def one_line_error(err: BaseException, args: list[str] | None = None) -> tuple[s
         return _lost_line(), EXIT_LOST
     refused = disk_refused(err)
     if refused is not None:
-        return (f"the disk refused a write ({refused.strerror}: {refused.filename}){_saved_rounds()}; make room "
+        return (f"the disk refused a write ({describe_refusal(refused)}){_saved_rounds()}; make room "
                 f"(or make the run directory writable) and run the same command{_resume_hint()}"), EXIT_LOST
+    if isinstance(err, ValueError) and "Expected more than 1 value per channel when training" in str(err):
+        data = getattr(getattr(FLCLI.active, "datamodule", None), "hparams", None)
+        size = f" (its size is 1 more than a multiple of data.batch_size {data.batch_size})" if data else ""
+        return (f"a mini-batch of 1 sample reached a BatchNorm layer in training (batch norm needs at least 2 "
+                f"samples): a client's data ends in a 1-sample batch{size}; choose another --data.batch_size, or a "
+                f"model without BatchNorm"), EXIT_USER_ERROR
     if type(err).__name__ == "ArgumentError":  # jsonargparse's parse errors (exit_on_error=False)
         return _summarise_parse_error(str(err), args), EXIT_USER_ERROR
     from lightning.fabric.utilities.exceptions import MisconfigurationException
@@ -514,25 +532,39 @@ def _trainer():
     return getattr(cli, "trainer", None) if cli is not None else None
 
 
-def _saved_rounds() -> str:
-    """"; N completed round(s) are saved in <file>" when the round checkpoint exists."""
+def _saved_checkpoint() -> tuple[int, Path] | None:
+    """(completed rounds, file) of this run's round checkpoint: the rounds this process saved, or,
+    before it saved any (a resume that failed before its first round), the ones `--ckpt_path last`
+    holds; None without one (a new run, or one being overwritten)."""
     cli = FLCLI.active
     checkpoint = getattr(cli, "round_checkpoint", None) if cli is not None else None
-    if checkpoint is not None and checkpoint.last_path.exists():
-        return f"; {checkpoint.rounds_saved} completed round(s) are saved in {checkpoint.last_path}"
-    return "; no round was completed"
+    if checkpoint is None or not checkpoint.last_path.exists():
+        return None
+    if checkpoint.rounds_saved:
+        return checkpoint.rounds_saved, checkpoint.last_path
+    with contextlib.suppress(Exception):
+        resumed = cli._subcommand_config().get("ckpt_path")
+        if resumed and Path(resumed).resolve() == checkpoint.last_path.resolve() and cli.checkpoint_rounds:
+            return cli.checkpoint_rounds, checkpoint.last_path
+    return None
+
+
+def _saved_rounds() -> str:
+    """"; N completed round(s) are saved in <file>" when the run has a round checkpoint."""
+    saved = _saved_checkpoint()
+    return f"; {saved[0]} completed round(s) are saved in {saved[1]}" if saved else "; no completed round was saved"
 
 
 def _resume_hint() -> str:
-    cli = FLCLI.active
-    checkpoint = getattr(cli, "round_checkpoint", None) if cli is not None else None
-    return " with --ckpt_path last" if checkpoint is not None and checkpoint.last_path.exists() else ""
+    return " with --ckpt_path last" if _saved_checkpoint() else ""
 
 
 def _lost_line() -> str:
     trainer = _trainer()
     where = f" in round {trainer.current_epoch + 1}/{trainer.max_epochs}" if trainer is not None else ""
     lost = lost_processes(trainer) if trainer is not None else []
+    if not lost and _parent_gone():  # a process Lightning's launcher started outlived rank 0, its parent
+        lost = [f"rank 0 (pid {_INITIAL_PARENT}) is gone (killed, or ended without stopping this process)"]
     who = ", ".join(lost) if lost else "another process of the run stopped responding"
     return f"lost process: {who}{where}{_saved_rounds()}; run the same command{_resume_hint()} to resume"
 
@@ -542,7 +574,8 @@ def _interrupted_line(err: FLInterrupted) -> str:
     where = f" in round {trainer.current_epoch + 1}/{trainer.max_epochs}" if trainer is not None else ""
     if _resume_hint():
         return f"interrupted by {err}{where}{_saved_rounds()}: resume with the same command and --ckpt_path last"
-    return f"interrupted by {err}{where}; no round was completed, so there is nothing to resume: start the run again"
+    return (f"interrupted by {err}{where}; no completed round was saved, so there is nothing to resume: start the "
+            f"run again")
 
 
 class _ParserBuilt(BaseException):
@@ -595,6 +628,11 @@ def main(args: list[str] | None = None) -> None:
     FLCLI.active = None
     first = is_first_process()  # rank 0 says what happened; the other ranks exit with the same code
     in_process = args is not None
+    own_error = False  # a process other than rank 0 failed on its own and says so itself
+    if not in_process:
+        # registered first, so it runs last: from there on the interpreter tears itself down (its
+        # final garbage collection takes seconds) with Python's signal handlers gone
+        atexit.register(_block_signals_at_finalization)
     try:
         args = layered_config_args(list(args) if in_process else sys.argv[1:])
         if not in_process:
@@ -602,25 +640,45 @@ def main(args: list[str] | None = None) -> None:
         cli = build_cli(args if in_process else None)
         code, line = cli.exit_code(), cli.stop_line()
     except FLInterrupted as err:
+        _stop_launched_processes()
         code, line = _after_interrupt(err)
     except Exception as err:
         reported = one_line_error(err, args)
+        if reported is not None and reported[1] == EXIT_LOST and first and lost_peer(err):
+            trainer = _trainer()
+            elsewhere = None if trainer is None else reported_elsewhere(trainer, wait=_REPORT_GRACE_SECONDS + 2)
+            # the summary's reason is the line (which names the process), not gloo's words
+            _record_lost(reported[0] if elsewhere is None else _lost_line())
+            if elsewhere is not None:  # that process printed the line (a damaged file, a full disk)
+                reported = (None, elsewhere)
+        _stop_launched_processes()
         finish_wandb(exit_code=reported[1] if reported else 1)
         if reported is None:
             raise
         code, line = reported[1], reported[0]
         if code == EXIT_USER_ERROR:
             _abandon_failed_start()
-        if code == EXIT_LOST and not first and not _parent_gone():
-            line = None  # rank 0 names the lost process
+        if not first and not _parent_gone():
+            if lost_peer(err):
+                line = None  # rank 0 names the lost process
+            elif line and _launched_by_rank_0():
+                # its own error, which rank 0 only sees as a vanished peer: this process says it
+                # (after a moment in which rank 0, failing alike, would have stopped it) and tells
+                # rank 0 by its exit code that it did
+                time.sleep(_REPORT_GRACE_SECONDS)
+                code += REPORTED_ELSEWHERE
+                own_error = True
     finally:
         if FLCLI.active is not None and FLCLI.active.run_dir is not None:
             FLCLI.active.run_dir.unlock()
         if in_process:  # called in-process (tests, sweeps): leave the caller's handlers as they were
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-    if line and (first or _parent_gone()):
-        print(f"error: {line}", file=sys.stderr)
+    unsaid = [f"error: {line}"] if line and (first or _parent_gone() or own_error) else []
+    if not in_process:
+        _end_on_signal(code, unsaid)
+    while unsaid:
+        print(unsaid.pop(), file=sys.stderr, flush=True)
     if code:
         sys.exit(code)
 
@@ -638,6 +696,53 @@ def _abandon_failed_start() -> None:
     cli.run_dir.abandon()
 
 
+def _end_on_signal(code: int, unsaid: list[str]) -> None:
+    """The run has ended: a signal from here on (while the process exits: W&B's, torch's exit
+    functions) changes nothing; it ends the process at once, with the run's exit code and its
+    line if that is not printed yet."""
+
+    def handler(signum, frame) -> None:
+        while unsaid:
+            print(unsaid.pop(), file=sys.stderr)
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, handler)
+
+
+def _block_signals_at_finalization() -> None:
+    """The last exit function of an `fl-lightning` process: the outcome is decided, printed and on
+    disk, and the exit code set; SIGTERM or SIGINT during the interpreter's teardown would otherwise
+    take the default action and turn a finished run's exit code 0 into death by the signal."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+
+
+def _stop_launched_processes() -> None:
+    """Rank 0 of a run that an error or a signal ends: the processes Lightning's launcher started
+    from it would only learn of it from their next collective (a lost peer) and report it as a
+    second line, so they are stopped (SIGKILL: they hold nothing the run still needs, the round
+    checkpoint and the records are rank 0's) before rank 0 reports and exits."""
+    trainer = _trainer()
+    if trainer is None:
+        return
+    for _, proc in compat.launched_processes(trainer):
+        with contextlib.suppress(OSError):
+            proc.kill()
+        with contextlib.suppress(Exception):
+            proc.wait(timeout=10)
+
+
+def _record_lost(line: str) -> None:
+    trainer = _trainer()
+    results = next((c for c in getattr(trainer, "callbacks", []) if isinstance(c, ResultsCallback)), None)
+    if results is not None and trainer.lightning_module is not None:
+        with contextlib.suppress(Exception):
+            results.record_lost(trainer, trainer.lightning_module, line)
+
+
 def _after_interrupt(err: FLInterrupted) -> tuple[int, str | None]:
     """A signal: the run's own exit code if it had already ended (a signal after completion
     changes nothing), else 128 + the signal's number."""
@@ -651,6 +756,14 @@ def _after_interrupt(err: FLInterrupted) -> tuple[int, str | None]:
 
 
 _INITIAL_PARENT = os.getppid()
+_REPORT_GRACE_SECONDS = 3.0
+
+
+def _launched_by_rank_0() -> bool:
+    """This process is one Lightning's launcher started from rank 0 on this machine (ranks 1.. of
+    `--trainer.strategy ddp`; not a process of torchrun or srun, whose agents start every rank)."""
+    return (not is_first_process() and int(os.environ.get("LOCAL_RANK", "0") or 0) > 0
+            and not any(name in os.environ for name in ("RANK", "TORCHELASTIC_RUN_ID", "SLURM_LOCALID")))
 
 
 def _parent_gone() -> bool:

@@ -37,6 +37,11 @@ class Outcome(StrEnum):
 
 
 EXIT_OK, EXIT_CRASHED, EXIT_USER_ERROR, EXIT_STOPPED, EXIT_LOST = 0, 1, 2, 3, 4
+# A process Lightning's launcher started (rank > 0 on one machine) that failed on its own (a
+# damaged state file, the disk refusing its write) prints its line itself and exits with this plus
+# its exit code, so that rank 0, which only sees its peer vanish, says nothing more and exits with
+# that code: a private code between the run's processes, never the command's.
+REPORTED_ELSEWHERE = 64
 
 
 def read_outcome(run_dir: str | Path) -> Outcome | None:
@@ -100,13 +105,22 @@ def lost_peer(exception: BaseException) -> bool:
 
 
 def disk_refused(exception: BaseException) -> OSError | None:
-    """The OSError in `exception`'s chain that is the disk refusing a write, else None."""
+    """The OSError in `exception`'s chain that is the disk refusing a write, else None: the first
+    one that happened (the deepest in the chain; a refused round checkpoint, not W&B's media copy
+    that then failed on the same disk while the run was being ended)."""
     seen: BaseException | None = exception
+    found = None
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno in DISK_ERRNOS:
-            return seen
+            found = seen
         seen = seen.__cause__ or seen.__context__
-    return None
+    return found
+
+
+def describe_refusal(refused: OSError) -> str:
+    """"No space left on device: <file>" (the file where the error knows it)."""
+    what = refused.strerror or f"errno {refused.errno}"
+    return f"{what}: {refused.filename}" if refused.filename else what
 
 
 def outcome_of_exception(exception: BaseException) -> tuple[Outcome, str]:
@@ -117,7 +131,7 @@ def outcome_of_exception(exception: BaseException) -> tuple[Outcome, str]:
         return Outcome.LOST, f"a process of the run was lost ({_first_line(exception)})"
     refused = disk_refused(exception)
     if refused is not None:
-        return Outcome.LOST, f"the disk refused a write ({refused.strerror}: {refused.filename})"
+        return Outcome.LOST, f"the disk refused a write ({describe_refusal(refused)})"
     return Outcome.CRASHED, f"{type(exception).__name__}: {_first_line(exception)}"
 
 

@@ -85,7 +85,7 @@ def lost_processes(trainer: Any, wait: float = 2.0) -> list[str]:
     import time
 
     from fl_lightning import compat
-    from fl_lightning.outcome import EXIT_STOPPED
+    from fl_lightning.outcome import EXIT_STOPPED, REPORTED_ELSEWHERE
 
     children = compat.launched_processes(trainer)
     deadline = time.monotonic() + wait
@@ -95,10 +95,38 @@ def lost_processes(trainer: Any, wait: float = 2.0) -> list[str]:
             code = proc.poll()
             if code is None or code in (0, EXIT_STOPPED):
                 continue
-            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            if code < 0:
+                how = f"was killed by {signal.Signals(-code).name}"
+            elif code - 128 in (signal.SIGINT, signal.SIGTERM):  # it took a signal of its own and stopped
+                how = f"stopped on {signal.Signals(code - 128).name} (exit code {code})"
+            elif REPORTED_ELSEWHERE < code < 128:
+                how = f"stopped on an error of its own, in its error: line (exit code {code - REPORTED_ELSEWHERE})"
+            else:
+                how = f"exited with code {code}"
             lost.append(f"rank {rank} (pid {proc.pid}) {how}")
         if lost or not children or time.monotonic() >= deadline:
             return lost
+        time.sleep(0.1)
+
+
+def reported_elsewhere(trainer: Any, wait: float = 2.0) -> int | None:
+    """The exit code of a process Lightning's launcher started from this one that ended on an error
+    it reported itself (outcome.REPORTED_ELSEWHERE), else None; waits up to `wait` seconds for a
+    process whose connection dropped to be reaped."""
+    import time
+
+    from fl_lightning import compat
+    from fl_lightning.outcome import REPORTED_ELSEWHERE
+
+    children = compat.launched_processes(trainer)
+    deadline = time.monotonic() + wait
+    while True:
+        codes = [proc.poll() for _, proc in children]
+        for code in codes:
+            if code is not None and REPORTED_ELSEWHERE < code < 128:
+                return code - REPORTED_ELSEWHERE
+        if all(code is not None for code in codes) or time.monotonic() >= deadline:
+            return None
         time.sleep(0.1)
 
 

@@ -38,7 +38,7 @@ from fl_lightning.comparison import (
     log_report_to_wandb,
 )
 from fl_lightning.errors import FLUserError, OneLineArgumentParser
-from fl_lightning.outcome import read_outcome
+from fl_lightning.outcome import Outcome, read_outcome
 from fl_lightning.sweep import FINAL_STATES, SEED_KEYS, display_value, read_json, read_record, short_keys
 from fl_lightning.wandb_online import wandb_online
 
@@ -61,12 +61,18 @@ class Run:
     @property
     def status(self) -> str:
         """The run's outcome as `outcome.read_outcome` reads it (finished, failed, diverged, ...);
-        "crashed" for a sweep run whose process failed without a final outcome, else "unfinished"."""
+        "crashed" for a sweep run whose process failed without a final outcome, else "unfinished"
+        (with what its summary says: interrupted, lost, or that it cannot be read)."""
         outcome = read_outcome(self.path)
         if outcome is not None and outcome.final:
             return outcome.value
         if (self.record or {}).get("status") == "crashed":
             return "crashed"
+        if outcome is None and (self.path / "summary.json").exists():
+            return ("unfinished (its summary.json cannot be read: the same fit command with --ckpt_path last "
+                    "writes it again)")
+        if outcome in (Outcome.INTERRUPTED, Outcome.LOST):
+            return f"unfinished ({outcome.value}: resume with --ckpt_path last)"
         return "unfinished"
 
 
@@ -393,12 +399,40 @@ def match_row(rows: list[Row], entry: dict) -> int | None:
 
 
 def load_compare(path: Path) -> dict:
+    """A paper table (configs/tables/<table>.yaml), checked: one line for a file that is not one."""
     if not path.is_file():
         raise FLUserError(f"--compare {path}: no such file")
-    doc = yaml.safe_load(path.read_text()) or {}
+    expected = "expected a paper table with `published: {metric, entries: [{match: {...}, acc: <number>}, ...]}`"
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise FLUserError(f"--compare {path}: not valid YAML{where} ({problem}); {expected}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise FLUserError(f"--compare {path}: cannot be read ({getattr(err, 'strerror', None) or err})") from None
+    doc = {} if doc is None else doc
+    if not isinstance(doc, dict):
+        raise FLUserError(f"--compare {path}: the file holds a {type(doc).__name__}, not a mapping; {expected}")
     published = doc.get("published")
     if not isinstance(published, dict) or not isinstance(published.get("entries"), list):
-        raise FLUserError(f"--compare {path}: expected a paper table with `published: {{metric, entries: [...]}}`")
+        raise FLUserError(f"--compare {path}: {expected}")
+    if not isinstance(published.get("metric", "final_acc"), str):
+        raise FLUserError(f"--compare {path}: published.metric must be a metric name such as final_acc, got "
+                          f"{published['metric']!r}")
+    for i, entry in enumerate(published["entries"], start=1):
+        where = f"--compare {path}: published entry {i}"
+        if not isinstance(entry, dict):
+            raise FLUserError(f"{where} must be a mapping ({{match: {{...}}, acc: <number>}}), got {entry!r}")
+        if not isinstance(entry.get("match") or {}, dict):
+            raise FLUserError(f"{where}: match must map sweep parameters to values, got {entry['match']!r}")
+        for key in ("acc", "std"):
+            number = entry.get(key)
+            if number is not None and (isinstance(number, bool) or not isinstance(number, int | float)):
+                raise FLUserError(f"{where}: {key} must be a number (percent) or null, got {number!r}")
+        if not isinstance(entry.get("metric", ""), str):
+            raise FLUserError(f"{where}: metric must be a metric name such as final_acc, got {entry['metric']!r}")
     return {**published, "title": f"{doc.get('paper', '')}: {doc.get('table', '')}".strip(": ")}
 
 

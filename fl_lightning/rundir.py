@@ -53,9 +53,14 @@ class RunDirectory:
             os.close(fd)
             raise FLUserError(f"another fit is running in {self.root} (pid {holder}); wait for it, or give this "
                               f"run its own --trainer.default_root_dir") from None
-        os.ftruncate(fd, 0)
-        os.write(fd, str(os.getpid()).encode())
         self._lock_fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, str(os.getpid()).encode())
+        except OSError as err:  # a full disk: the error names the run directory's lock file
+            err.filename = err.filename or str(self.root / LOCK_NAME)
+            self.unlock()
+            raise
         # left by a process killed mid-write (results, checkpoint, client-state files)
         states = self.root / "checkpoints" / "client_states"
         for directory in (self.root, self.root / "checkpoints", states, *sorted(states.glob("rank*"))):
@@ -108,6 +113,10 @@ class RunDirectory:
         if self.holds_run():
             if not overwrite:
                 self.unlock()
+                if not (self.root / "checkpoints" / "last.ckpt").exists():
+                    raise FLUserError(f"{self.root} already holds a run, stopped before its first round was saved "
+                                      f"(nothing to resume); start it again with --overwrite true, or start this one "
+                                      f"in a new --trainer.default_root_dir")
                 raise FLUserError(f"{self.root} already holds a run; resume it with --ckpt_path last, start this one "
                                   f"in a new --trainer.default_root_dir, or replace it with --overwrite true")
             self.clear()

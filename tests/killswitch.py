@@ -4,9 +4,11 @@ or a lost node) or sends it a signal (a preempted job, an impatient Ctrl-C); `Di
 disk refuse writes (full, read-only). Loaded into CLI subprocesses with
 `--trainer.callbacks+=<json>` and PYTHONPATH=tests."""
 
+import atexit
 import errno
 import os
 import signal
+import time
 
 import lightning as L
 
@@ -14,10 +16,13 @@ import fl_lightning.atomic as atomic
 
 
 class KillSwitch(L.Callback):
-    """`where`: "train" (after the round's first client trained), "eval" (during the global evaluation),
-    "write" (inside the checkpoint write: the temporary file is half written, then the process
-    dies before the rename), "end" (after the last round, its checkpoint and records: the run is
-    over). `round` is 1-based. `sig` is the signal's name. `rank`: fire only in the process of this
+    """`where`: "train" (after the round's first client trained), "eval" (during the global
+    evaluation), "write" (inside the checkpoint write: the temporary file is half written, then
+    the process dies before the rename), "end" (after the last round, its checkpoint and records:
+    the run is over), "exit" (while the process exits, after the CLI's main() returned: from an
+    atexit function, as W&B's and torch's run then), "finalization" (later still: while the
+    interpreter tears itself down after its last exit function, from an object's __del__).
+    `round` is 1-based. `sig` is the signal's name. `rank`: fire only in the process of this
     global rank (None: every process). `then`: a second signal sent while the first one is being
     handled (from Lightning's exception hooks). `group`: the signal goes to the whole process group
     (a local sweep started in a session of its own, with every run it started). `armed_by`: fire
@@ -40,6 +45,11 @@ class KillSwitch(L.Callback):
         return trainer.current_epoch + 1 == self.round and (self.rank is None or trainer.global_rank == self.rank)
 
     def setup(self, trainer, pl_module, stage) -> None:
+        if self.where == "exit" and (self.rank is None or trainer.global_rank == self.rank):
+            atexit.register(self._fire)
+        if self.where == "finalization" and self.armed:
+            global _AT_FINALIZATION
+            _AT_FINALIZATION = _SignalWhenCollected(self.sig)
         if self.where != "write":
             return
         real_fsync, switch = atomic.os.fsync, self
@@ -73,13 +83,30 @@ class KillSwitch(L.Callback):
             os.kill(os.getpid(), self.then)
 
 
+_AT_FINALIZATION = None
+
+
+class _SignalWhenCollected:
+    """Sends `sig` to this process when collected: a module global is collected while the
+    interpreter finalizes, after every exit function (everything it needs is bound now: module
+    globals may be gone by then)."""
+
+    def __init__(self, sig: int):
+        self.sig, self._kill, self._pid, self._sleep = sig, os.kill, os.getpid(), time.sleep
+
+    def __del__(self):
+        self._kill(self._pid, self.sig)
+        self._sleep(0.2)  # a signal with its default action would end the process here
+
+
 class DiskFault(L.Callback):
     """From round `round` (1-based) on, every atomic write (results, checkpoints, client-state
     files) fails with `error` ("ENOSPC": the disk is full; "EROFS": it is read-only), as the OS
-    would report it; `round` 0 fails from the start of the fit."""
+    would report it; `round` 0 fails from the start of the fit. `rank`: only in the process of this
+    global rank (None: every process)."""
 
-    def __init__(self, round: int, error: str = "ENOSPC"):
-        self.round, self.errno = round, getattr(errno, error)
+    def __init__(self, round: int, error: str = "ENOSPC", rank: int | None = None):
+        self.round, self.errno, self.rank = round, getattr(errno, error), rank
 
     def _break(self) -> None:
         code = self.errno
@@ -92,9 +119,9 @@ class DiskFault(L.Callback):
         atomic.open = refuse  # the module's writes find this before the builtin
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        if self.round == 0:
+        if self.round == 0 and self.rank in (None, trainer.global_rank):
             self._break()
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        if self.round and trainer.current_epoch + 1 == self.round:
+        if self.round and trainer.current_epoch + 1 == self.round and self.rank in (None, trainer.global_rank):
             self._break()

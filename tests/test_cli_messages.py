@@ -107,6 +107,10 @@ MALFORMED = [
     (["--model.init_args.model", "cnn4"], ["model cnn4 cannot take 1x8x8 images", "models that can: fedavg_cnn"]),
     (["--model", "FedProto", "--model.init_args.model", "mlp,cnn4", "--data.client_test_fraction", "0.25"],
      ["model cnn4 cannot take 1x8x8 images"]),
+    # 375 samples per client in batches of 187 end in a batch of 1, which BatchNorm cannot train on
+    # (a ValueError traceback in round 1)
+    (["--model.init_args.model", "mlp_bn", "--data.partition", "iid", "--data.batch_size", "187"],
+     ["a mini-batch of 1 sample reached a BatchNorm layer in training", "data.batch_size 187"]),
 ]
 
 

@@ -8,6 +8,7 @@ import datetime
 import inspect
 
 import lightning as L
+import pytest
 import torch
 from fl_test_utils import fit, one_client_module, toy_data
 
@@ -155,3 +156,32 @@ def test_loss_scaler_is_the_precision_plugins_grad_scaler():
     assert compat.loss_scaler(trainer) is scaler
     assert compat.loss_scaler(L.Trainer(precision="bf16-mixed", accelerator="cpu", logger=False)) is None
     assert compat.loss_scaler(None) is None
+
+
+def test_lightnings_sigterm_notifier_is_the_connectors_attribute_and_dropped():
+    from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+
+    source = inspect.getsource(_SignalConnector.register_signal_handlers)
+    assert "[self._sigterm_notifier_fn]" in source  # read from the instance when handlers are registered
+    assert "dist.broadcast" in inspect.getsource(_SignalConnector._sigterm_notifier_fn)
+    trainer = L.Trainer(logger=False, enable_checkpointing=False)
+    compat.drop_sigterm_notifier(trainer)
+    assert trainer._signal_connector._sigterm_notifier_fn(15, None) is None
+
+
+def test_lightnings_child_process_observer_no_longer_kills_every_process(monkeypatch):
+    import subprocess
+    import sys
+    import threading
+
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+
+    assert "self._terminate_all()" in inspect.getsource(_ChildProcessObserver._run)
+    child = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    child.wait()
+    observer = _ChildProcessObserver(main_pid=-1, child_processes=[child], sleep_period=0)
+    observer._terminate_all = lambda: pytest.fail("the observer would SIGKILL every process, rank 0 included")
+    real = threading.enumerate
+    monkeypatch.setattr(threading, "enumerate", lambda: [*real(), observer])  # found as Lightning's thread
+    compat.disarm_child_process_observer()
+    assert observer._run() is True  # a process exited non-zero: seen, nobody killed

@@ -7,6 +7,7 @@ documented exit code (fl_lightning/outcome.py), never a traceback."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -31,6 +32,7 @@ TINY = ["--config", str(S / "mnist5k.yaml"), "--config", str(M / "fedsol" / "fed
         "--data.min_size", "5", "--federation.eval_local_models", "false", "--trainer.enable_progress_bar", "false",
         "--analysis.partition", "false"]
 TWO_PROCESSES = ["--trainer.accelerator", "cpu", "--trainer.strategy", "ddp", "--trainer.devices", "2"]
+SCAFFOLD = ["--model", "SCAFFOLD", "--data.sample_ratio", "0.5"]  # the setting's FedAvg swapped for SCAFFOLD
 
 
 def env() -> dict:
@@ -39,10 +41,13 @@ def env() -> dict:
     return e
 
 
-def start(root: Path, *args: str) -> subprocess.Popen:
+def start(root: Path, *args: str, session: bool = False) -> subprocess.Popen:
+    """The fit in a subprocess (`session`: in a session of its own, as a terminal's job: a signal
+    to its process group reaches every process of the run, and nothing else)."""
     return subprocess.Popen([sys.executable, "-m", "fl_lightning.cli", "fit", *TINY, *args,
                              "--trainer.default_root_dir", str(root)],
-                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=session)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
@@ -171,6 +176,23 @@ def test_a_stopped_run_resumed_says_so_again_and_trains_nothing(tmp_path):
     assert summary(root)["rounds_completed"] == 2
 
 
+def test_a_run_killed_before_its_first_checkpoint_is_told_to_start_again_not_to_resume(tmp_path, capsys):
+    """`--ckpt_path last` said to run fit first, and fit said to resume with --ckpt_path last."""
+    from fl_lightning.cli import main
+
+    root = tmp_path / "run"
+    code, err = run(root, "--trainer.max_epochs", "2", callback("killswitch.KillSwitch", round=1, where="train"))
+    assert code == -signal.SIGKILL and not (root / "checkpoints" / "last.ckpt").exists()
+    for extra in (["--ckpt_path", "last"], []):
+        with pytest.raises(SystemExit) as stop:
+            main(["fit", *TINY, "--trainer.max_epochs", "2", "--trainer.logger", "false",
+                  "--trainer.default_root_dir", str(root), *extra])
+        line = capsys.readouterr().err.strip()
+        assert stop.value.code == EXIT_USER_ERROR and line.count("\n") == 0, line
+        assert "stopped before its first round was saved" in line and "--overwrite true" in line, line
+        assert "resume it" not in line and "run fit with the same" not in line, line
+
+
 # ---- signals ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("first,second", [("SIGTERM", "SIGINT"), ("SIGINT", "SIGINT")])
 def test_a_second_signal_during_the_clean_up_changes_nothing(tmp_path, first, second):
@@ -196,12 +218,127 @@ def test_a_process_killed_on_rank_1_ends_the_run_in_one_line_and_it_resumes(tmp_
     assert_one_line(err, r"error: lost process: rank 1 \(pid \d+\) was killed by SIGKILL in round 2/3; 1 completed "
                          r"round\(s\) are saved in .*last\.ckpt; run the same command with --ckpt_path last to resume")
     assert summary(root)["outcome"] == "lost"
+    assert summary(root)["reason"] == error_lines(err)[0].removeprefix("error: ")  # the line, not gloo's words
     code, err = run(root, "--trainer.max_epochs", "3", *TWO_PROCESSES, "--ckpt_path", "last")
     assert code == 0, err[-3000:]
     assert summary(root)["outcome"] == "finished" and summary(root)["rounds_completed"] == 3
 
 
+SAVED_1 = r"1 completed round\(s\) are saved in .*last\.ckpt"
+RANK_0_FAULTS = {
+    # a scheduler's SIGTERM to the run's main process: Lightning's own SIGTERM handler broadcast a
+    # flag from rank 0 inside the handler while rank 1 waited in the round's gather: both hung for
+    # the 30-minute collective timeout
+    "SIGTERM to rank 0": (dict(where="train", rank=0, sig="SIGTERM"), 143, "interrupted",
+                          rf"error: interrupted by SIGTERM in round 2/2; {SAVED_1}: resume with the same command "
+                          r"and --ckpt_path last"),
+    # Ctrl-C in a terminal reaches every process: the line was printed twice, or (Lightning's
+    # launcher SIGKILLs every process once one exits non-zero) not at all, with exit code 137
+    "Ctrl-C to every process": (dict(where="train", rank=1, sig="SIGINT", group=True), 130, "interrupted",
+                                rf"error: interrupted by SIGINT in round 2/2; {SAVED_1}: resume with the same "
+                                r"command and --ckpt_path last"),
+    # rank 1 waited for rank 0's checkpoint, lost its peer, and printed a second line (the disk
+    # refuses every write from round 2 on, summary.json's too: it stays round 1's)
+    "full disk": (dict(disk=None), EXIT_LOST, "running",
+                  rf"error: the disk refused a write \(No space left on device: .*\); {SAVED_1}; make room "
+                  r"\(or make the run directory writable\) and run the same command with --ckpt_path last"),
+    # only rank 1's write is refused (its SCAFFOLD states, written after the round): rank 1 exited
+    # 4 without a word, and rank 0 said "lost process: rank 1 (pid ...) exited with code 4"
+    "full disk on rank 1": (dict(disk=1), EXIT_LOST, "lost",
+                            r"error: the disk refused a write \(No space left on device: .*/client_states/rank1/"
+                            rf"client\d+\.v\d+\.safetensors\); {SAVED_1}; make room \(or make the run directory "
+                            r"writable\) and run the same command with --ckpt_path last"),
+    # rank 1 outlives its parent: it says so, and names rank 0 (the shell sees rank 0's -9)
+    "kill -9 of rank 0": (dict(where="train", rank=0), -signal.SIGKILL, "running",
+                          r"error: lost process: rank 0 \(pid \d+\) is gone .* in round 2/2; "
+                          rf"{SAVED_1}; run the same command with --ckpt_path last to resume"),
+    # after the last round: Lightning's handler sent SIGTERM on to rank 1, which stopped; rank 0
+    # then printed "lost process ... in round 3/2" and exited 4, with a traceback from an exit function
+    "SIGTERM to rank 0 after the end": (dict(where="end", rank=0, sig="SIGTERM"), 0, "finished", None),
+}
+
+
+@pytest.mark.parametrize("fault", list(RANK_0_FAULTS))
+def test_a_fault_of_a_two_process_run_ends_in_one_line_and_no_process_stays(tmp_path, fault):
+    switch, expected_code, outcome, pattern = RANK_0_FAULTS[fault]
+    if "disk" in switch:  # with SCAFFOLD, rank 1 writes files of its own (its clients' states)
+        inject = [callback("killswitch.DiskFault", round=2, rank=switch["disk"]), *(SCAFFOLD if switch["disk"] else [])]
+    else:
+        inject = [callback("killswitch.KillSwitch", round=2, **switch)]
+    root = tmp_path / "run"
+    proc = start(root, "--trainer.max_epochs", "2", *TWO_PROCESSES, *inject, session=True)
+    try:
+        code, err = finish(proc, timeout=240)  # every process has closed the pipe: none is left
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        pytest.fail(f"{fault}: the run hung")
+    assert code == expected_code, err[-3000:]
+    if pattern is None:
+        assert not error_lines(err) and "Traceback" not in err, err[-3000:]
+    else:
+        assert_one_line(err, pattern)
+    assert summary(root)["outcome"] == outcome
+    saved = completed_rounds(torch.load(root / "checkpoints" / "last.ckpt", weights_only=False))
+    assert saved == (2 if outcome == "finished" else 1)
+
+
+@pytest.mark.parametrize("where", ["exit", "finalization"])
+def test_a_signal_while_the_finished_process_exits_changes_nothing(tmp_path, where):
+    """SIGTERM from an exit function (W&B's and torch's run after main() returned) raised the
+    CLI's interrupt into the interpreter's shutdown: a traceback; later, in the interpreter's
+    final garbage collection (seconds long, Python's handlers gone), it killed the finished
+    process (-15: a scheduler records the job as failed)."""
+    root = tmp_path / "run"
+    code, err = run(root, "--trainer.max_epochs", "1", callback("killswitch.KillSwitch", round=1, where=where,
+                                                               sig="SIGTERM"))
+    assert code == 0 and not error_lines(err) and "Traceback" not in err and "Exception ignored" not in err, err
+    assert summary(root)["outcome"] == "finished"
+
+
+def test_a_signal_during_the_round_checkpoint_write_says_which_round_is_saved(tmp_path):
+    """The round-2 checkpoint was cut short: the line said 2 rounds were saved where the file holds
+    1, and the half-written temporary stayed until the next start."""
+    root = tmp_path / "run"
+    code, err = run(root, "--trainer.max_epochs", "3", callback("killswitch.KillSwitch", round=2, where="write",
+                                                               sig="SIGTERM"))
+    assert code == 143, err[-3000:]
+    assert_one_line(err, rf"error: interrupted by SIGTERM in round 2/3; {SAVED_1}: resume with the same command and "
+                         r"--ckpt_path last")
+    assert completed_rounds(torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)) == 1
+    assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["last.ckpt"]
+
+
 # ---- the disk refuses a write --------------------------------------------------------------------
+def test_a_refused_write_names_its_file_and_leaves_no_temporary(tmp_path, monkeypatch):
+    """On a full disk the half-written temporary held the space a resume needs, and the error
+    (from write/fsync) named no file: "No space left on device: None"."""
+    import fl_lightning.atomic as atomic
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(atomic.os, "fsync", full)
+    target = tmp_path / "checkpoints" / "last.ckpt"
+    with pytest.raises(OSError) as refused:
+        atomic.atomic_write_bytes(target, b"round")
+    assert refused.value.filename == str(target)
+    assert list(target.parent.iterdir()) == []
+
+
+def test_the_refused_write_named_is_the_first_one():
+    """A full disk refuses the round checkpoint, then W&B's media copy while the run is being
+    ended: the line names the checkpoint (the cause), not W&B's temporary file."""
+    from fl_lightning.outcome import disk_refused
+
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", "/runs/a/checkpoints/last.ckpt")
+        except OSError:
+            raise OSError(errno.ENOSPC, "No space left on device", "/tmp/wandb-media/x.table.json") from None
+    except OSError as err:
+        assert disk_refused(err).filename == "/runs/a/checkpoints/last.ckpt"
+
+
 @pytest.mark.parametrize("error,at", [("ENOSPC", 2), ("EROFS", 0)])
 def test_a_disk_that_refuses_writes_ends_in_one_line(tmp_path, error, at):
     root = tmp_path / "run"
@@ -217,7 +354,6 @@ def test_a_disk_that_refuses_writes_ends_in_one_line(tmp_path, error, at):
 
 
 # ---- damaged client-state files ------------------------------------------------------------------
-SCAFFOLD = ["--model", "SCAFFOLD", "--data.sample_ratio", "0.5"]  # the setting's FedAvg swapped for SCAFFOLD
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +404,16 @@ DAMAGE = {
                                files[0].with_suffix(".tmp").rename(files[1])),
                 r"holds client \d+'s state \(files swapped\?\)"),
     "folder deleted": (lambda files: shutil.rmtree(files[0].parent), "is missing"),
+    "wrong architecture": (lambda files: _another_architecture(files[0]), "has \\d+ bytes where"),
 }
+
+
+def _another_architecture(path: Path) -> None:
+    """The same client's state from a run of another model (a file copied in from elsewhere)."""
+    from safetensors.torch import save
+
+    client = re.search(r"client(\d+)\.", path.name).group(1)
+    path.write_bytes(save({"body.0.weight": torch.zeros(16, 3, 5, 5)}, metadata={"client": client}))
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
@@ -296,15 +441,39 @@ def test_a_swapped_file_is_refused_through_the_cli_before_anything_trains(scaffo
     assert "Initializing" not in err and summary(root)["rounds_completed"] == 2  # nothing ran
 
 
-def test_a_moved_run_directory_resumes_and_stray_temporaries_go(scaffold_run, tmp_path, capsys):
-    """The checkpoint names its state files relative to itself; a killed writer's temporaries in
-    the state folders are removed on the next start."""
-    root = _copy(scaffold_run, tmp_path / "elsewhere")
+def test_a_resume_on_a_read_only_disk_says_how_many_rounds_are_saved(scaffold_run, tmp_path, capsys, monkeypatch):
+    """The run directory's lock is the first write of a resume: the line said "(Read-only file
+    system: None); 0 completed round(s) are saved" of a checkpoint holding 2."""
+    import fl_lightning.rundir as rundir
+
+    def read_only(fd, length):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    root = _copy(scaffold_run, tmp_path)
+    monkeypatch.setattr(rundir.os, "ftruncate", read_only)
+    code, err = _resume_in_process(root, capsys)
+    assert code == EXIT_LOST
+    assert_one_line(err, r"error: the disk refused a write \(Read-only file system: .*\.fl-lightning\.lock\); "
+                         r"2 completed round\(s\) are saved in .*last\.ckpt; make room .* and run the same command "
+                         r"with --ckpt_path last")
+
+
+def test_a_moved_run_directory_resumes_and_stray_temporaries_go(tmp_path, capsys):
+    """The checkpoint names its state files relative to itself (it named them by absolute path: a
+    moved run directory could not be resumed); a killed writer's temporaries in the state folders
+    are removed on the next start (those of the client-state store never were)."""
+    from fl_lightning.cli import main
+
+    first = tmp_path / "first"
+    main(["fit", *TINY, *SCAFFOLD, "--trainer.max_epochs", "2", "--trainer.logger", "false",
+          "--trainer.default_root_dir", str(first)])  # exits only on failure
+    root = first.rename(tmp_path / "elsewhere")  # the old path is gone
     stray = [root / "checkpoints" / "client_states" / ".partial-123-client3.v9.safetensors",
              root / "checkpoints" / "client_states" / "rank1" / ".partial-124-client4.v9.safetensors"]
     for path in stray:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"half")
+    capsys.readouterr()
     code, err = _resume_in_process(root, capsys)
     assert code == 0, err[-3000:]
     assert summary(root)["rounds_completed"] == 3 and summary(root)["outcome"] == "finished"

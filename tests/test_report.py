@@ -316,3 +316,60 @@ def test_curves_go_to_a_wandb_report_run_when_online(tmp_path, monkeypatch):
     assert table["columns"] == ["step", "lineKey", "lineVal"]
     fedsol = [(x, y) for x, line, y in table["data"] if line == "FedSOL"]
     assert fedsol == [(r, pytest.approx(100 * (0.70 - 0.05 * (5 - r)))) for r in range(1, 6)]  # mean of 3 seeds
+
+
+@pytest.mark.parametrize("text, message", [
+    ("paper: x\npublished: {metric: final_acc, entries: [\n", r"not valid YAML at line 3 \("),
+    ("- a\n- b\n", r"the file holds a list, not a mapping; expected a paper table with `published: "),
+    ("published: {metric: final_acc, entries: [{match: {seed_everything: 0}, acc: ninety}]}\n",
+     r"published entry 1: acc must be a number \(percent\) or null, got 'ninety'"),
+    ("published: {entries: [{match: {seed_everything: 0}, acc: 50.0, std: [1]}]}\n",
+     r"published entry 1: std must be a number \(percent\) or null, got \[1\]"),
+    ("published: {entries: [7]}\n", r"published entry 1 must be a mapping"),
+])
+def test_a_malformed_compare_table_is_one_line(sweep_dir, tmp_path, text, message):
+    """Bad YAML, a top-level list and a non-numeric `acc` were tracebacks (the last one after the
+    table had been printed)."""
+    import re
+
+    table = tmp_path / "table.yaml"
+    table.write_text(text)
+    code, out, err = report(str(sweep_dir), "--compare", str(table))
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert re.search(rf"^error: --compare {re.escape(str(table))}: {message}", err), err
+
+
+def test_a_record_with_a_non_integer_index_is_read_as_without_one(tmp_path):
+    """`index: "first"` in one sweep record: sorting the runs compared it with the others' numbers."""
+    d = tmp_path / "s"
+    make_run(d, "seed=0", {"seed_everything": 0}, final=0.5)
+    make_run(d, "seed=1", {"seed_everything": 1}, final=0.7)
+    record = d / ".sweep" / "seed=1.json"
+    record.write_text(json.dumps({**json.loads(record.read_text()), "index": "first"}))
+    code, out, err = report(str(d))
+    assert code == 0 and "Traceback" not in err, err
+    assert "| X | 60.00 ± 10.00 | 60.00 ± 10.00 | 2 |" in out  # both runs, one row
+
+
+def test_csv_into_a_missing_directory_creates_it_and_onto_a_directory_is_one_line(sweep_dir, tmp_path):
+    """Both were tracebacks (open() of the path)."""
+    target = tmp_path / "new" / "deeper" / "table.csv"
+    code, out, err = report(str(sweep_dir), "--csv", str(target))
+    assert code == 0 and target.is_file() and f"(CSV: {target})" in out, err
+    code, out, err = report(str(sweep_dir), "--csv", str(tmp_path))
+    assert code == 1 and "| FedAvg |" in out and "Traceback" not in err
+    assert err.strip() == f"error: could not write {tmp_path} (Is a directory); the table above is complete; give " \
+                          f"--csv <a writable path>"
+
+
+def test_a_damaged_or_interrupted_run_is_named_with_what_to_do(sweep_dir):
+    """A truncated summary.json and an interrupted run were both just "unfinished"."""
+    (sweep_dir / "FedAvg-2" / "summary.json").write_text('{"method": "FedAvg", "outc')
+    interrupted = json.loads((sweep_dir / "SCAFFOLD-0" / "summary.json").read_text())
+    interrupted.update(outcome="interrupted", finished=False)
+    (sweep_dir / "SCAFFOLD-0" / "summary.json").write_text(json.dumps(interrupted))
+    code, out, err = report(str(sweep_dir))
+    assert code == 0, err
+    assert ("- FedAvg-2: unfinished (its summary.json cannot be read: the same fit command with --ckpt_path last "
+            "writes it again)") in out
+    assert "- SCAFFOLD-0: unfinished (interrupted: resume with --ckpt_path last)" in out
