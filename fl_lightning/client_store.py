@@ -13,7 +13,7 @@ names them, so a kill at any moment, even while a checkpoint is being written, l
 the surviving checkpoint needs.
 
 A damaged or swapped file is refused, never used. The manifest records, for every client, its
-file's name (relative to the store's folder, so a run directory can be moved), size and blake2b
+file's name (relative to the store's folder, so a run directory can be moved), size and CRC-32
 checksum, and each file carries its client's id in its metadata; a file is checked against them
 whenever it is read (and `verify` checks them all before a resume starts), and a mismatch ends the
 run with one line naming the file and the client (`ClientStateError`, exit code 2).
@@ -33,6 +33,7 @@ not published (`mark_synced`): each process keeps its own copy.
 from __future__ import annotations
 
 import hashlib
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
@@ -60,15 +61,25 @@ class FileRecord:
 
     name: str
     size: int
-    blake2b: str
+    checksum: str  # `_checksum` of the file's bytes
     base: str | None = None
 
     def as_list(self) -> list:
-        return [self.name, self.size, self.blake2b]
+        return [self.name, self.size, self.checksum]
 
 
 def _checksum(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    """A file's CRC-32, as "crc32:<hex>". It detects every error burst up to 32 bits and any other
+    damage but with probability 2**-32 (it guards against disks and mistakes, not tampering), at
+    7 GB/s here against blake2b's 1.4 GB/s: a file is checked whenever it is read, and a thousand
+    1.3 MB client models read once took 1.0 s with blake2b, 0.2 s with CRC-32."""
+    return f"crc32:{zlib.crc32(data):08x}"
+
+
+def _matches(data: bytes, recorded: str) -> bool:
+    if recorded.startswith("crc32:"):
+        return _checksum(data) == recorded
+    return hashlib.blake2b(data, digest_size=16).hexdigest() == recorded  # checkpoints before CRC-32
 
 
 class ClientStateStore(MutableMapping):
@@ -186,7 +197,7 @@ class ClientStateStore(MutableMapping):
             raise self._refuse(client, record, f"is not a readable safetensors file ({err})") from None
 
     def _check_bytes(self, client: int, record: FileRecord, data: bytes) -> None:
-        if len(data) == record.size and _checksum(data) == record.blake2b:
+        if len(data) == record.size and _matches(data, record.checksum):
             return
         owner = _owner(data)
         if owner is not None and owner != client:

@@ -71,6 +71,33 @@ def _scaffold_run(cache_size, root, rounds=3):
     return method
 
 
+def test_a_checkpoint_with_blake2b_checksums_still_resumes_and_still_refuses_damage(tmp_path):
+    """Checkpoints of the version before CRC-32 record blake2b digests: they are checked with it."""
+    import hashlib
+
+    from fl_lightning.client_store import ClientStateError
+
+    store = ClientStateStore(tmp_path)
+    for c in range(2):
+        store[c] = state(c + 0.5)
+    saved = store.checkpoint_state()
+    assert all(record[2].startswith("crc32:") for record in saved["manifest"].values())
+    for record in saved["manifest"].values():  # as the previous version recorded them
+        record[2] = hashlib.blake2b((tmp_path / record[0]).read_bytes(), digest_size=16).hexdigest()
+    resumed = ClientStateStore(tmp_path)
+    resumed.load_checkpoint_state(saved)
+    resumed.verify()
+    assert torch.equal(resumed[1]["w"], state(1.5)["w"])
+    path = tmp_path / saved["manifest"][0][0]
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    damaged = ClientStateStore(tmp_path)
+    damaged.load_checkpoint_state(saved)
+    with pytest.raises(ClientStateError, match="does not match its checksum"):
+        damaged[0]
+
+
 def test_a_cache_of_one_gives_the_same_run_as_an_unlimited_cache(tmp_path):
     unlimited = _scaffold_run(0, tmp_path / "a")
     one = _scaffold_run(1, tmp_path / "b")
