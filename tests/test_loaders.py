@@ -440,3 +440,25 @@ def test_a_new_dataset_is_one_registration_and_the_built_ins_are_registrations(t
                         enable_checkpointing=False, enable_progress_bar=False, callbacks=[FederatedCallback()])
     trainer.fit(FedAvg(model="mlp", data_spec=dm.spec), dm)
     assert 0.0 <= float(trainer.callback_metrics["global/test_acc"]) <= 1.0
+
+
+@pytest.mark.parametrize("labels, test_size", [
+    ("mnist5k", 1000), ("digits", 297),
+    (np.repeat(np.arange(7), [5, 5, 5, 4, 9, 9, 3]), 11),
+    (np.repeat(np.arange(3), 3), 5),  # 4 training samples from 3 equal classes: the tie is drawn by the rng
+    (np.array([3, 1, 3, 3, 2, 1, 2, 2, 1, 3, 3, 1]), 5),  # unsorted, labels not starting at 0
+])
+def test_the_stratified_split_is_scikit_learns_without_importing_it(labels, test_size):
+    from sklearn.model_selection import train_test_split
+
+    from fl_lightning.data.datasets import load_mnist5k_arrays, stratified_split
+
+    if isinstance(labels, str):
+        from sklearn.datasets import load_digits
+
+        labels = load_mnist5k_arrays()[1] if labels == "mnist5k" else load_digits().target
+    for seed in (0, 1, 7, 12345):
+        train, test = train_test_split(np.arange(len(labels)), test_size=test_size, stratify=labels, random_state=seed)
+        ours = stratified_split(labels, test_size, seed)
+        np.testing.assert_array_equal(ours[0], np.sort(train))
+        np.testing.assert_array_equal(ours[1], np.sort(test))

@@ -162,12 +162,41 @@ def cache_dir() -> Path:
     return Path(os.environ.get("FL_LIGHTNING_CACHE", Path.home() / ".cache" / "fl_lightning"))
 
 
-def _stratified_split(labels: np.ndarray, test_size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    from sklearn.model_selection import train_test_split
+def stratified_split(labels: np.ndarray, test_size: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted train and test indices of a seeded split that keeps each class's share: the split
+    scikit-learn's `train_test_split(..., test_size=test_size, stratify=labels, random_state=seed)`
+    makes (its StratifiedShuffleSplit, drawn from the same RandomState in the same order), without
+    importing scikit-learn, which cost about a second of every run's start-up
+    (tests/test_loaders.py compares the two)."""
+    rng = np.random.RandomState(seed)
+    _, class_of, counts = np.unique(labels, return_inverse=True, return_counts=True)
+    members = np.split(np.argsort(class_of, kind="stable"), np.cumsum(counts)[:-1])
+    n_train = _approximate_mode(counts, len(labels) - test_size, rng)
+    n_test = _approximate_mode(counts - n_train, test_size, rng)
+    train, test = [], []
+    for i, indices in enumerate(members):
+        shuffled = indices.take(rng.permutation(counts[i]), mode="clip")
+        train.append(shuffled[: n_train[i]])
+        test.append(shuffled[n_train[i] : n_train[i] + n_test[i]])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
 
-    idx = np.arange(len(labels))
-    train, test = train_test_split(idx, test_size=test_size, stratify=labels, random_state=seed)
-    return np.sort(train), np.sort(test)
+
+def _approximate_mode(counts: np.ndarray, draws: int, rng: np.random.RandomState) -> np.ndarray:
+    """How many of `draws` to take from each class (proportional, floored; the remainder goes to
+    the largest fractional parts, ties broken by `rng`), as scikit-learn's stratified splits do."""
+    continuous = counts / counts.sum() * draws
+    floored = np.floor(continuous)
+    missing = int(draws - floored.sum())
+    if missing > 0:
+        remainder = continuous - floored
+        for value in np.sort(np.unique(remainder))[::-1]:
+            (tied,) = np.where(remainder == value)
+            take = min(len(tied), missing)
+            floored[rng.choice(tied, size=take, replace=False)] += 1
+            missing -= take
+            if missing == 0:
+                break
+    return floored.astype(int)
 
 
 def tensor_dataset(x: torch.Tensor, y: torch.Tensor) -> LabelledDataset:
@@ -243,7 +272,7 @@ def load_mnist5k_arrays() -> tuple[np.ndarray, np.ndarray]:
 def mnist5k(seed: int, test_size: int = 1000):
     """Seeded, stratified 4,000/1,000 split of the 5,000 digits (they ship sorted by label)."""
     x, y = load_mnist5k_arrays()
-    train_idx, test_idx = _stratified_split(y, test_size, seed)
+    train_idx, test_idx = stratified_split(y, test_size, seed)
     return _tensor_pair(x, y, train_idx, test_idx, 0.1307, 0.3081)
 
 
@@ -253,7 +282,7 @@ def digits(seed: int, test_size: int = 297):
     bunch = load_digits()
     x = (bunch.images / 16.0).astype(np.float32)[:, None]
     y = bunch.target.astype(np.int64)
-    train_idx, test_idx = _stratified_split(y, test_size, seed)
+    train_idx, test_idx = stratified_split(y, test_size, seed)
     mean, std = float(x.mean()), float(x.std())
     return _tensor_pair(x, y, train_idx, test_idx, mean, std)
 
