@@ -151,6 +151,30 @@ def wandb_run_created(logger) -> bool:
     return logger._experiment is not None
 
 
+def skip_unstaged_wandb_launch_inputs() -> None:
+    """`wandb.init` applies inputs staged for a W&B Launch job (`Run._detect_and_apply_job_inputs`),
+    importing `wandb.sdk.launch` to look for them: about 0.3-1 s of every run's start-up (most of
+    `wandb.init` offline). Inputs can only have been staged through that module, so where it is
+    not imported yet there is nothing to apply and the import is skipped; a Launch job, which
+    imports it, keeps W&B's behaviour."""
+    import sys
+
+    from wandb.sdk.wandb_run import Run
+
+    apply = Run.__dict__.get("_detect_and_apply_job_inputs")
+    if apply is None:
+        raise RuntimeError("W&B's Run has no _detect_and_apply_job_inputs any more: update fl_lightning/compat.py")
+    if getattr(apply, "_fl_lightning_skips_unstaged", False):
+        return
+
+    def apply_if_staged(run) -> None:
+        if "wandb.sdk.launch.inputs.internal" in sys.modules:
+            apply(run)
+
+    apply_if_staged._fl_lightning_skips_unstaged = True
+    Run._detect_and_apply_job_inputs = apply_if_staged
+
+
 class _DropLightningTips(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith(LIGHTNING_TIP_PREFIX)

@@ -57,6 +57,7 @@ class FLWandbLogger(WandbLogger):
             # Created on first use, not at construction: a start that fails leaves no directory.
             import wandb
 
+            compat.skip_unstaged_wandb_launch_inputs()
             Path(self.save_dir).mkdir(parents=True, exist_ok=True)
             if compat.wandb_offline(self):
                 os.environ["WANDB_MODE"] = "offline"

@@ -185,3 +185,34 @@ def test_lightnings_child_process_observer_no_longer_kills_every_process(monkeyp
     monkeypatch.setattr(threading, "enumerate", lambda: [*real(), observer])  # found as Lightning's thread
     compat.disarm_child_process_observer()
     assert observer._run() is True  # a process exited non-zero: seen, nobody killed
+
+
+WANDB_LAUNCH_CHECK = r"""
+import os, sys
+from fl_lightning.loggers import FLWandbLogger
+logger = FLWandbLogger(offline=True, save_dir=sys.argv[1], name="launch")
+logger.experiment
+print("launch imported by init:", "wandb.sdk.launch" in sys.modules)
+from wandb.sdk.launch.inputs.internal import StagedLaunchInputs
+from wandb.sdk.wandb_run import Run
+applied = []
+StagedLaunchInputs.apply = lambda self, run: applied.append(run)
+Run._detect_and_apply_job_inputs(logger.experiment)
+print("staged inputs applied:", len(applied))
+import wandb
+wandb.finish()
+"""
+
+
+def test_wandb_init_skips_launch_inputs_only_where_none_can_be_staged(tmp_path):
+    """A run that is not a W&B Launch job does not import wandb.sdk.launch (0.3-1 s of start-up);
+    once that module is imported (a Launch job staging inputs) they are applied as W&B does."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", WANDB_LAUNCH_CHECK, str(tmp_path)], capture_output=True, text=True,
+                          env={**os.environ, "WANDB_MODE": "offline"}, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "launch imported by init: False" in done.stdout
+    assert "staged inputs applied: 1" in done.stdout
