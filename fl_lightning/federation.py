@@ -345,7 +345,8 @@ class FederatedCallback(L.Callback):
 
     def _local_eval_loader(self, trainer):
         if self._local_loader is None:
-            self._local_loader = trainer.datamodule.global_test_subset_loader(self.local_eval_samples)
+            dm = trainer.datamodule
+            self._local_loader = dm.batches_of(dm.global_test_subset_loader(self.local_eval_samples))
         return self._local_loader
 
     # ---- after the round's evaluation ---------------------------------------------------------

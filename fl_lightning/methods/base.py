@@ -101,6 +101,9 @@ class LossContext:
     finetuning: bool = False
 
 
+NO_CONTEXT = LossContext()  # a loss that uses nothing else (frozen, so one instance serves every step)
+
+
 class LocalSteps:
     """The current client's step counters. A plain object, not module attributes: setting an
     attribute of an `nn.Module` costs microseconds (it checks parameters, buffers and
@@ -362,7 +365,7 @@ class FederatedMethod(L.LightningModule):
 
     def loss_context(self) -> LossContext:
         """What `loss` may use in the current client's local training (see LossContext)."""
-        return LossContext()
+        return NO_CONTEXT
 
     def training_step(self, work: ClientWork, batch_idx: int) -> None:
         """One Trainer batch is one client: its whole local training, one `minibatch_step` per
@@ -380,8 +383,9 @@ class FederatedMethod(L.LightningModule):
         """One local step on one mini-batch (x, y); methods with their own step override this."""
         loss = self.loss(self.model, batch, self.loss_context())
         self.sgd_step(loss)
+        loss = loss.detach()
         self.log_local({"train/loss": loss}, len(batch[1]))
-        return loss.detach()
+        return loss
 
     def log_local(self, metrics: dict[str, torch.Tensor | float], batch_size: int) -> None:
         """Per-step values, accumulated on the device and logged once per round by the federated
@@ -691,7 +695,7 @@ class SharedModelMethod(FederatedMethod):
 
     def loss_context(self) -> LossContext:
         """The round-start global model is the teacher of methods that set needs_global_model."""
-        return LossContext(teacher=self.global_model if self.needs_global_model else None)
+        return LossContext(teacher=self.global_model) if self.needs_global_model else NO_CONTEXT
 
     # ---- evaluation ---------------------------------------------------------------------------
     def validation_step(self, batch, batch_idx: int):
