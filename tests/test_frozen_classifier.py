@@ -72,7 +72,29 @@ def test_frozen_classifier_bit_identical_after_training_and_aggregation(cls):
              if n in body_before and not torch.equal(p, body_before[n])]
     assert moved, "the body must have been trained"
     if cls in (FedDrPlus, DotRegression):
-        torch.testing.assert_close(method.model.head.weight, simplex_etf(method.model.feature_dim, 4, seed=0))
+        torch.testing.assert_close(method.model.head.weight, simplex_etf(method.model.feature_dim, 4, seed=0).float())
+
+
+@pytest.mark.parametrize("cls", [FedDrPlus, SphereFed, FedETF])
+def test_a_fixed_classifier_is_exact_in_float64(cls):
+    """Converted to float64 (--trainer.precision 64-true), the fixed ETF / orthonormal rows are the
+    exact float64 ones (unit norm, cosines -1/(C-1) or 0 to 1e-15), not the float32 rounding
+    widened (about 1e-7 off); in float32 they are that rounding, as before; the exact copy is not
+    part of the state_dict."""
+    dm = _two_client_module()
+    method = cls(model="mlp", data_spec=dm.spec)
+    head = method.model.head.classifier if cls is FedETF else method.model.head
+    assert head.weight.dtype == torch.float32
+    assert not any(k.endswith("_exact") for k in method.state_dict())
+    single = head.weight.detach().clone()
+    method.double()
+    v = head.weight.detach()
+    assert v.dtype == torch.float64 and torch.equal(v.float(), single)
+    c = v.shape[0]
+    torch.testing.assert_close(v.norm(dim=1), torch.ones(c, dtype=torch.float64), atol=1e-15, rtol=0)
+    off = (v @ v.T)[~torch.eye(c, dtype=torch.bool)]
+    target = 0.0 if cls is SphereFed else -1.0 / (c - 1)
+    torch.testing.assert_close(off, torch.full_like(off, target), atol=1e-15, rtol=0)
 
 
 def test_dr_and_fd_losses_on_hand_made_features():

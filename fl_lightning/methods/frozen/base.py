@@ -51,21 +51,34 @@ def simplex_etf(d: int, num_classes: int, seed: int = 0) -> torch.Tensor:
     ones = torch.full((num_classes, num_classes), 1.0 / num_classes, dtype=torch.float64)
     center = torch.eye(num_classes, dtype=torch.float64) - ones
     v = math.sqrt(num_classes / (num_classes - 1)) * b @ center  # d x C
-    return v.T.contiguous().float()
+    return v.T.contiguous()  # float64; FixedClassifier keeps it exact in a float64 run
 
 
 def orthonormal_classifier(d: int, num_classes: int, seed: int = 0) -> torch.Tensor:
-    """C orthonormal rows in R^d (SphereFed's fixed classifier)."""
-    return _orthonormal_columns(d, num_classes, seed).T.contiguous().float()
+    """C orthonormal rows in R^d (SphereFed's fixed classifier), in float64."""
+    return _orthonormal_columns(d, num_classes, seed).T.contiguous()
 
 
 class FixedClassifier(nn.Module):
-    """A bias-free linear classifier with fixed weight V (C x d); `cosine` normalises features."""
+    """A bias-free linear classifier with fixed weight V (C x d); `cosine` normalises features.
+
+    The weight is a parameter in the default dtype (float32), built from `weight`'s exact values,
+    which are kept: converted to float64 (`--trainer.precision 64-true`), the module takes them
+    again instead of widening the float32 rounding, so an ETF's unit norms and -1/(C-1) cosines
+    hold to float64 precision there too (they held to ~1e-7)."""
 
     def __init__(self, weight: torch.Tensor, cosine: bool):
         super().__init__()
-        self.weight = nn.Parameter(weight.clone(), requires_grad=False)
+        self._exact = weight.detach().to(torch.float64, copy=True)  # not state: rebuilt from the seed
+        self.weight = nn.Parameter(weight.detach().to(torch.get_default_dtype(), copy=True), requires_grad=False)
         self.cosine = cosine
+
+    def _apply(self, fn, recurse: bool = True):
+        super()._apply(fn, recurse)
+        if self.weight.dtype == torch.float64:
+            with torch.no_grad():
+                self.weight.copy_(self._exact.to(self.weight.device))
+        return self
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         if self.cosine:
