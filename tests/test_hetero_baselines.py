@@ -134,6 +134,12 @@ def test_svd_compression_keeps_the_smallest_rank_holding_the_energy():
     back = decompress_state(compress_state(state, 0.99, "shared."), state, "shared.")
     torch.testing.assert_close(back["w"], m.float(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(back["b"], state["b"])
+    # a float64 run's matrix travels in float64 (it went through float32: 1e-7 off), a bfloat16
+    # one in float32 (LAPACK has no 16-bit SVD)
+    exact = decompress_state(compress_state({"w": m}, 0.99, "shared."), {"w": m}, "shared.")["w"]
+    assert exact.dtype == torch.float64
+    torch.testing.assert_close(exact, m, atol=1e-13, rtol=0)
+    assert svd_compress(m.bfloat16(), 0.99)[0].dtype == torch.float32
 
 
 def test_a_non_finite_matrix_travels_uncompressed_to_the_divergence_check():

@@ -98,7 +98,8 @@ class FML(MutualLearningMethod):
 def svd_compress(t: torch.Tensor, energy: float) -> tuple[torch.Tensor, ...]:
     """(U_r, S_r, V_r) of t reshaped to (shape[0], -1), r = smallest rank holding `energy` of
     sum(S^2); vectors and scalars travel as they are."""
-    matrix = t.reshape(t.shape[0], -1).float() if t.ndim >= 2 else t
+    # LAPACK has no 16-bit SVD: those widen to float32; float32 and float64 (64-true) stay as they are
+    matrix = t.reshape(t.shape[0], -1).to(torch.promote_types(t.dtype, torch.float32)) if t.ndim >= 2 else t
     if t.ndim < 2 or not bool(torch.isfinite(matrix).all()):
         # A non-finite matrix has no SVD (LAPACK fails to converge): it travels as it is, so the
         # federation's divergence policy sees the NaN instead of a crash inside the upload.
@@ -106,7 +107,7 @@ def svd_compress(t: torch.Tensor, energy: float) -> tuple[torch.Tensor, ...]:
     try:
         u, s, vh = torch.linalg.svd(matrix, full_matrices=False)
     except torch.linalg.LinAlgError:  # an ill-conditioned finite matrix: float64 converges
-        u, s, vh = (part.float() for part in torch.linalg.svd(matrix.double(), full_matrices=False))
+        u, s, vh = (part.to(matrix.dtype) for part in torch.linalg.svd(matrix.double(), full_matrices=False))
     kept = torch.cumsum(s**2, 0) / (s**2).sum().clamp_min(1e-30)
     r = min(int((kept < energy).sum()) + 1, len(s))
     return u[:, :r].contiguous(), s[:r].contiguous(), vh[:r].contiguous()

@@ -261,10 +261,11 @@ class PrototypeMethod(HeteroMethod):
     def predict_logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.hparams.predict == "head" or not bool(self.has_proto.any()):
             return self.model(x)
-        feats = self.model.features(x).float()
+        feats = self.model.features(x)
+        dtype = torch.promote_types(feats.dtype, torch.float32)  # cdist has no 16-bit CPU kernel; float64 stays
         # nearest global prototype by squared Euclidean distance; classes without one never win (a
         # large finite score, not -inf: the evaluation's loss stays finite, see evaluation.py)
-        dist = torch.cdist(feats, self.global_protos.float()) ** 2
+        dist = torch.cdist(feats.to(dtype), self.global_protos.to(dtype)) ** 2
         return (-dist).masked_fill(~self.has_proto, -1e30)
 
 
