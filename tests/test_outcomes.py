@@ -98,6 +98,45 @@ def test_a_divergence_on_two_processes_ends_exactly_as_on_one(tmp_path):
     assert read_outcome(tmp_path / "2") is Outcome.DIVERGED
 
 
+def test_a_divergence_on_rank_1_only_ends_exactly_as_on_one_process(tmp_path):
+    """One client's upload is NaN, and with 2 processes that client trains on rank 1 alone: rank 0
+    saw only finite uploads, yet both processes stop after the same round, rank 0 prints the
+    line once, and the run is recorded as on one process."""
+    from fl_lightning.data.datamodule import FederatedDataModule
+    from fl_lightning.parallel import assign_clients
+
+    # TINY's data (seed_everything 0 is data.seed): round 2 samples clients 4 and 8, client 4 for
+    # the first time, and the longest-first assignment gives it to rank 1
+    data = FederatedDataModule(dataset="digits", num_clients=10, sample_ratio=0.2, local_epochs=5, batch_size=50,
+                               partition="dirichlet", alpha=0.1, partition_seed=0, min_size=5, seed=0)
+    data.setup()
+    rounds = [data.plan_round(r).clients for r in range(2)]
+    ranks = assign_clients([c.num_steps for c in rounds[1]], 2)
+    assert 4 not in [c.client for c in rounds[0]]
+    assert [rounds[1][i].client for i in ranks[1]] == [4] and 4 not in [rounds[1][i].client for i in ranks[0]]
+
+    args = ["--model", "faulty_methods.PoisonedClient", "--model.init_args.poisoned", "4",
+            "--federation.on_divergence", "stop", "--federation.collapse_rounds", "0", "--trainer.max_epochs", "3"]
+    procs = {n: start(tmp_path / str(n), *args, *(TWO_PROCESSES if n == 2 else [])) for n in (1, 2)}
+    lines = {}
+    for n, proc in procs.items():
+        code, err = finish(proc)
+        assert code == EXIT_STOPPED, err[-3000:]
+        lines[n] = assert_one_line(err, r"error: diverged: non-finite weights at round 2/3, client 4, method "
+                                        r"PoisonedClient; lower the lr or set --federation.on_divergence skip_client")
+    assert lines[1] == lines[2]
+    one, two = summary(tmp_path / "1"), summary(tmp_path / "2")
+    for record in (one, two):
+        assert record["outcome"] == "diverged" and record["diverged"] and not record["finished"]
+        assert record["reason"] == lines[1].removeprefix("error: ") and record["rounds_completed"] == 1
+    assert read_outcome(tmp_path / "2") is Outcome.DIVERGED
+    for n in procs:  # round 1 is saved, the diverged round 2 is not
+        saved = torch.load(tmp_path / str(n) / "checkpoints" / "last.ckpt", weights_only=False)
+        assert completed_rounds(saved) == 1
+    assert read_metrics(tmp_path / "1" / "metrics.csv")[0]["global/test_acc"] == \
+        read_metrics(tmp_path / "2" / "metrics.csv")[0]["global/test_acc"]
+
+
 def test_skip_client_on_two_processes_skips_the_same_client_and_runs_on(tmp_path):
     """One client's upload is NaN in every round it is sampled; on_divergence skip_client drops it
     on whichever process trained it, and both runs finish with the same per-round metrics."""
