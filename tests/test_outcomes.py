@@ -233,11 +233,12 @@ def test_a_run_killed_before_its_first_checkpoint_is_told_to_start_again_not_to_
 
 
 # ---- signals ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("first,second", [("SIGTERM", "SIGINT"), ("SIGINT", "SIGINT")])
+@pytest.mark.parametrize("first,second", [("SIGTERM", "SIGINT"), ("SIGINT", "SIGINT"), ("SIGINT", "SIGTERM"),
+                                          ("SIGTERM", "SIGTERM")])
 def test_a_second_signal_during_the_clean_up_changes_nothing(tmp_path, first, second):
-    """An impatient Ctrl-C Ctrl-C, a scheduler's TERM then INT: the second arrives while the first
-    is being handled (from Lightning's exception hooks); the exit is the first's, the checkpoint
-    intact."""
+    """An impatient Ctrl-C Ctrl-C, a scheduler's TERM then INT, a Ctrl-C then the scheduler's TERM,
+    a scheduler's TERM twice: the second arrives while the first is being handled (from
+    Lightning's exception hooks); the exit is the first's, the checkpoint intact."""
     root = tmp_path / "run"
     code, err = run(root, "--trainer.max_epochs", "3",
                     callback("killswitch.KillSwitch", round=2, where="train", sig=first, then=second))
