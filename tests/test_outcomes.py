@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fl_test_utils import reproducible_rows
 
 from fl_lightning.checkpointing import completed_rounds
 from fl_lightning.outcome import EXIT_LOST, EXIT_STOPPED, EXIT_USER_ERROR, Outcome, read_outcome
@@ -381,7 +382,10 @@ def test_the_refused_write_named_is_the_first_one():
 
 @pytest.mark.parametrize("error,at", [("ENOSPC", 2), ("EROFS", 0)])
 def test_a_disk_that_refuses_writes_ends_in_one_line(tmp_path, error, at):
+    """Once there is room again, the resumed run ends with the weights of a run the disk never
+    refused, bit for bit (started alongside as the reference)."""
     root = tmp_path / "run"
+    straight = start(tmp_path / "straight", "--trainer.max_epochs", "3") if at else None
     code, err = run(root, "--trainer.max_epochs", "3", callback("killswitch.DiskFault", round=at, error=error))
     assert code == EXIT_LOST, err[-3000:]
     reason = "No space left on device" if error == "ENOSPC" else "Read-only file system"
@@ -391,6 +395,16 @@ def test_a_disk_that_refuses_writes_ends_in_one_line(tmp_path, error, at):
         code, err = run(root, "--trainer.max_epochs", "3", "--ckpt_path", "last")
         assert code == 0, err[-3000:]
         assert [r["round"] for r in read_metrics(root / "metrics.csv")] == [1, 2, 3]
+        code, err = finish(straight)
+        assert code == 0, err[-3000:]
+        resumed, reference = (torch.load(r / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+                              for r in (root, tmp_path / "straight"))
+        assert completed_rounds(resumed) == completed_rounds(reference) == 3
+        assert resumed["state_dict"].keys() == reference["state_dict"].keys()
+        for key, value in reference["state_dict"].items():
+            assert torch.equal(resumed["state_dict"][key], value), key
+        assert reproducible_rows(read_metrics(root / "metrics.csv")) == \
+            reproducible_rows(read_metrics(tmp_path / "straight" / "metrics.csv"))
 
 
 # ---- damaged client-state files ------------------------------------------------------------------
