@@ -161,6 +161,34 @@ def test_hessian_surface_of_a_quadratic_is_its_closed_form_around_the_minimum():
     assert [l1, l2] == pytest.approx(exact.flip(0)[:2].tolist(), rel=1e-9)
 
 
+@pytest.mark.parametrize("mode", ["graph", "forward", "double"])
+def test_spectrum_and_surfaces_keep_every_tensor_on_the_models_device(mode):
+    """On a GPU the Lanczos Ritz vectors were formed from CPU eigenvectors times the device's
+    Krylov basis: "Expected all tensors to be on the same device". No GPU here: the model and the
+    subset are on a simulated "cuda" (tests/simulated_device.py), which raises as CUDA does."""
+    from simulated_device import SimulatedDevice
+
+    from fl_lightning.analysis.surface import slice_1d
+
+    model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 4))
+    x, y = torch.randn(32, 5, generator=torch.Generator().manual_seed(0)), torch.arange(32) % 4
+    with SimulatedDevice("cuda") as device:
+        with pytest.raises(RuntimeError, match="same device"):  # it does see a mix-up
+            torch.ones(3) + torch.ones(3, device="cuda")
+        device.place(*model.parameters(), *model.buffers())
+        objective = SubsetObjective(model, x.to("cuda"), y.to("cuda"), hvp_mode=mode)
+        spectrum = hessian_spectrum(objective, k=2, max_iter=10, trace_probes=2, layerwise=True, layer_iter=5)
+        assert {device.device_of(t) for v in spectrum.top_vectors for t in v.values()} == {"cuda"}
+        random = filter_normalized_direction(objective.params, torch.Generator().manual_seed(1))
+        assert {device.device_of(t) for t in random.values()} == {"cuda"}
+        surface_2d(objective, *spectrum.top_vectors[:2], points=3)
+        surface_2d(objective, random, random, points=3, kind="random")
+        slice_1d(objective, random, points=3)
+    reference = hessian_spectrum(SubsetObjective(model, x, y, hvp_mode=mode), k=2, max_iter=10, trace_probes=2,
+                                 layerwise=True, layer_iter=5)
+    assert spectrum.top == reference.top  # the same numbers: only the bookkeeping differs
+
+
 def test_divergence_statistics_by_hand():
     g = {"w": torch.zeros(2), "b": torch.zeros(1)}
     uploads = [{"w": torch.tensor([3.0, 0.0]), "b": torch.tensor([4.0]), "buf": torch.ones(1)},
