@@ -182,6 +182,7 @@ def test_a_signal_after_the_end_changes_nothing_and_a_resume_completes_the_recor
     # resuming the checkpoint of the last round writes them again and trains nothing
     (root / "summary.json").unlink()
     (root / "metrics.csv").unlink()
+    fit_runs = set((root / "wandb").glob("offline-run-*"))
     code, err = run(root, "--trainer.max_epochs", "2", "--ckpt_path", "last")
     assert code == 0 and not error_lines(err), err[-3000:]
     again = summary(root)
@@ -189,6 +190,24 @@ def test_a_signal_after_the_end_changes_nothing_and_a_resume_completes_the_recor
     assert (again["final_acc"], again["best_acc"]) == (done["final_acc"], done["best_acc"])
     assert read_metrics(root / "metrics.csv") == rows
     assert read_outcome(root) is Outcome.FINISHED  # what sweep and report read
+    # the resume's W&B run (offline: a run of its own) holds the completed summary too
+    (resumed,) = set((root / "wandb").glob("offline-run-*")) - fit_runs
+    dashboard = wandb_summary(resumed)
+    for key in ("outcome", "finished", "rounds_completed", "final_acc", "final_round", "best_acc", "best_round"):
+        assert dashboard.get(key) == done[key], key
+
+
+def wandb_summary(offline_run: Path) -> dict:
+    """The summary of an offline W&B run (its `offline-run-*` folder): the last value of every key
+    its summary records set."""
+    from fl_lightning.loggers import offline_records
+
+    values = {}
+    for record in offline_records(next(offline_run.glob("run-*.wandb"))):
+        if record.WhichOneof("record_type") == "summary":
+            values.update({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                           for item in record.summary.update})
+    return values
 
 
 def test_a_run_killed_after_its_last_checkpoint_is_finished_and_resumes_to_exit_0(tmp_path):
