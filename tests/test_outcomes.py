@@ -534,7 +534,8 @@ def test_a_resume_on_a_read_only_disk_says_how_many_rounds_are_saved(scaffold_ru
 def test_a_moved_run_directory_resumes_and_stray_temporaries_go(tmp_path, capsys):
     """The checkpoint names its state files relative to itself (it named them by absolute path: a
     moved run directory could not be resumed); a killed writer's temporaries in the state folders
-    are removed on the next start (those of the client-state store never were)."""
+    and the fit's analysis folders are removed on the next start (those of the client-state store
+    and of the analyses never were)."""
     from fl_lightning.cli import main
 
     first = tmp_path / "first"
@@ -542,12 +543,16 @@ def test_a_moved_run_directory_resumes_and_stray_temporaries_go(tmp_path, capsys
           "--trainer.default_root_dir", str(first)])  # exits only on failure
     root = first.rename(tmp_path / "elsewhere")  # the old path is gone
     stray = [root / "checkpoints" / "client_states" / ".partial-123-client3.v9.safetensors",
-             root / "checkpoints" / "client_states" / "rank1" / ".partial-124-client4.v9.safetensors"]
-    for path in stray:
+             root / "checkpoints" / "client_states" / "rank1" / ".partial-124-client4.v9.safetensors",
+             root / "analysis" / ".partial-125-spectrum_history.png",
+             root / "analysis" / "round_002" / ".partial-126-analysis.json"]
+    # `analyze` may be writing its own folder while the fit starts: its temporary stays
+    posthoc = root / "analysis" / "posthoc_round_002" / ".partial-127-analysis.json"
+    for path in [*stray, posthoc]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"half")
     capsys.readouterr()
     code, err = _resume_in_process(root, capsys)
     assert code == 0, err[-3000:]
     assert summary(root)["rounds_completed"] == 3 and summary(root)["outcome"] == "finished"
-    assert not any(p.exists() for p in stray)
+    assert not any(p.exists() for p in stray) and posthoc.exists()
