@@ -1,8 +1,9 @@
 """Atomic file writes: a reader, or a process killed mid-write, sees either a file's old content or
 all of its new content, never a part. Every file the project writes inside a run directory (round
-checkpoints, client-state files, metrics.csv, summary.json, sweep records, the data cache) goes
-through `atomic_write_bytes`; the temporaries it leaves behind when killed carry `TEMP_MARK` and
-are removed by `remove_stray_temporaries` on the next start."""
+checkpoints, client-state files, metrics.csv, summary.json, the analyses' JSON files and pictures,
+sweep records, the data cache) goes through `atomic_write_bytes`; the temporaries it leaves behind
+when killed carry `TEMP_MARK` and are removed by `remove_stray_temporaries` on the next start.
+(clients.csv is appended to and forced to disk instead, and cut back atomically on resume.)"""
 
 from __future__ import annotations
 

@@ -61,9 +61,11 @@ class RunDirectory:
             err.filename = err.filename or str(self.root / LOCK_NAME)
             self.unlock()
             raise
-        # left by a process killed mid-write (results, checkpoint, client-state files)
-        states = self.root / "checkpoints" / "client_states"
-        for directory in (self.root, self.root / "checkpoints", states, *sorted(states.glob("rank*"))):
+        # left by a process killed mid-write (results, checkpoint, client-state files, the fit's
+        # analyses; not `analyze`'s posthoc_round_* folders, which that command may be writing now)
+        states, analysis = self.root / "checkpoints" / "client_states", self.root / "analysis"
+        for directory in (self.root, self.root / "checkpoints", states, *sorted(states.glob("rank*")), analysis,
+                          *sorted(analysis.glob("round_*"))):
             remove_stray_temporaries(directory)
 
     def unlock(self) -> None:

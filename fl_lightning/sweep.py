@@ -45,7 +45,7 @@ import yaml
 
 from fl_lightning.atomic import atomic_write_bytes
 from fl_lightning.errors import FLUserError, OneLineArgumentParser
-from fl_lightning.outcome import read_outcome
+from fl_lightning.outcome import Outcome, read_outcome
 from fl_lightning.warm import WarmWorker
 
 SEARCH_METHODS = ("grid", "random", "bayes")
@@ -413,7 +413,8 @@ def run_state(run_dir: Path) -> str:
     return "new"
 
 
-FINAL_STATES = ("finished", "diverged", "failed")
+# the states of a run that is over (not run again, counted by `report`): Outcome.final's, by name
+FINAL_STATES = tuple(outcome.value for outcome in Outcome if outcome.final)
 
 
 def error_line(log: Path) -> str:

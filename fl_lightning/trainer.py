@@ -45,6 +45,11 @@ class FLTrainer(Trainer):
         algorithm = (gradient_clip_algorithm or "norm").lower()
         if algorithm not in ("norm", "value"):
             raise FLUserError(f"trainer.gradient_clip_algorithm must be norm or value, got {gradient_clip_algorithm!r}")
+        if str(kwargs.get("precision")) in ("16-mixed", "16") and _runs_on_cpu(kwargs.get("accelerator", "auto")):
+            # Lightning would warn and run bf16-mixed, while config.yaml, W&B and the report say 16-mixed
+            raise FLUserError("trainer.precision 16-mixed (float16 autocast with loss scaling) runs on a GPU only: "
+                              "on the CPU Lightning would run bf16-mixed in its place; use --trainer.precision "
+                              "bf16-mixed (or 32-true) on the CPU")
         super().__init__(**kwargs)
         self.local_gradient_clip_val = float(gradient_clip_val or 0.0)
         self.local_gradient_clip_algorithm = algorithm
@@ -69,3 +74,17 @@ class FLTrainer(Trainer):
         callback.checkpoint_round = completed_rounds(load_checkpoint_file(ckpt_path))
         return self.validate(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=verbose,
                              weights_only=weights_only)
+
+
+def _runs_on_cpu(accelerator) -> bool:
+    """Whether Lightning will run on the CPU: asked for, or "auto" on a machine with no GPU, MPS or TPU."""
+    from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator, MPSAccelerator, XLAAccelerator
+
+    if isinstance(accelerator, CPUAccelerator):
+        return True
+    if not isinstance(accelerator, str):
+        return False
+    name = accelerator.lower()
+    if name == "auto":
+        return not any(a.is_available() for a in (CUDAAccelerator, MPSAccelerator, XLAAccelerator))
+    return name == "cpu"

@@ -3,8 +3,11 @@ exact Hessian of a tiny model, the Hutchinson trace within its standard error, s
 filter norms, a quadratic model's closed form), divergence statistics and partition counts by
 hand, and training that is bit for bit the same with every analysis on."""
 
+import errno
 import json
 import math
+import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -161,6 +164,34 @@ def test_hessian_surface_of_a_quadratic_is_its_closed_form_around_the_minimum():
     assert [l1, l2] == pytest.approx(exact.flip(0)[:2].tolist(), rel=1e-9)
 
 
+@pytest.mark.parametrize("mode", ["graph", "forward", "double"])
+def test_spectrum_and_surfaces_keep_every_tensor_on_the_models_device(mode):
+    """On a GPU the Lanczos Ritz vectors were formed from CPU eigenvectors times the device's
+    Krylov basis: "Expected all tensors to be on the same device". No GPU here: the model and the
+    subset are on a simulated "cuda" (tests/simulated_device.py), which raises as CUDA does."""
+    from simulated_device import SimulatedDevice
+
+    from fl_lightning.analysis.surface import slice_1d
+
+    model = nn.Sequential(nn.Linear(5, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 4))
+    x, y = torch.randn(32, 5, generator=torch.Generator().manual_seed(0)), torch.arange(32) % 4
+    with SimulatedDevice("cuda") as device:
+        with pytest.raises(RuntimeError, match="same device"):  # it does see a mix-up
+            torch.ones(3) + torch.ones(3, device="cuda")
+        device.place(*model.parameters(), *model.buffers())
+        objective = SubsetObjective(model, x.to("cuda"), y.to("cuda"), hvp_mode=mode)
+        spectrum = hessian_spectrum(objective, k=2, max_iter=10, trace_probes=2, layerwise=True, layer_iter=5)
+        assert {device.device_of(t) for v in spectrum.top_vectors for t in v.values()} == {"cuda"}
+        random = filter_normalized_direction(objective.params, torch.Generator().manual_seed(1))
+        assert {device.device_of(t) for t in random.values()} == {"cuda"}
+        surface_2d(objective, *spectrum.top_vectors[:2], points=3)
+        surface_2d(objective, random, random, points=3, kind="random")
+        slice_1d(objective, random, points=3)
+    reference = hessian_spectrum(SubsetObjective(model, x, y, hvp_mode=mode), k=2, max_iter=10, trace_probes=2,
+                                 layerwise=True, layer_iter=5)
+    assert spectrum.top == reference.top  # the same numbers: only the bookkeeping differs
+
+
 def test_divergence_statistics_by_hand():
     g = {"w": torch.zeros(2), "b": torch.zeros(1)}
     uploads = [{"w": torch.tensor([3.0, 0.0]), "b": torch.tensor([4.0]), "buf": torch.ones(1)},
@@ -197,6 +228,85 @@ def test_partition_heatmap_counts_equal_the_partition(tmp_path):
     saved = json.loads((tmp_path / "analysis" / "partition.json").read_text())
     assert saved["counts"] == expected.tolist()
     assert (tmp_path / "analysis" / "partition.png").stat().st_size > 0
+
+
+class _DiskFillsMidWrite:
+    """Every file opened for writing under `root` (whose name `fails` accepts) takes half of the
+    first block written to it, then the disk is full (ENOSPC), as a disk filling up mid-write;
+    patched into builtins.open and io.open, which PIL, Path.write_text and atomic.py all use."""
+
+    def __init__(self, monkeypatch, root, fails=lambda name: True):
+        import builtins
+        import io
+
+        real_open = builtins.open
+
+        def faulty_open(file, mode="r", *args, **kwargs):
+            f = real_open(file, mode, *args, **kwargs)
+            path = Path(file) if isinstance(file, (str, Path)) else None
+            if path is None or not any(m in mode for m in "wax+") or root not in path.parents or not fails(path.name):
+                return f
+            real_write = f.write
+
+            def write(data):
+                real_write(data[: len(data) // 2])
+                f.flush()
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+            f.write = write
+            return f
+
+        monkeypatch.setattr(builtins, "open", faulty_open)
+        monkeypatch.setattr(io, "open", faulty_open)
+
+
+def _left_in(folder: Path) -> dict[str, bytes | None]:
+    """What a folder holds: each file's bytes (None for a folder)."""
+    if not folder.exists():
+        return {}
+    return {p.name: None if p.is_dir() else p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_an_analysis_write_the_disk_refuses_leaves_no_half_file_and_no_temporary(tmp_path, monkeypatch):
+    """analysis.json, partition.json and every PNG were written in place (write_text, PIL's save):
+    a full disk, or a kill, mid-write left half a file that a reader (report, the user) took as the
+    round's analysis. Now they are written as the checkpoints are (atomic.py): the old file or
+    none, and no temporary holding the space."""
+    from types import SimpleNamespace
+
+    from fl_lightning.analysis import plots
+
+    image = np.zeros((40, 60, 3), dtype=np.uint8)
+    trainer = SimpleNamespace(is_global_zero=True, default_root_dir=str(tmp_path))
+    round_files = {"spectrum": {"top": [2.0, 1.0]}, "spectrum.png": image, "classwise_local.png": image}
+    callback = AnalysisCallback()
+    plots.save_png(image + 255, tmp_path / "analysis" / "spectrum_history.png")  # an earlier round's picture
+    earlier = (tmp_path / "analysis" / "spectrum_history.png").read_bytes()
+    with monkeypatch.context() as patch:
+        _DiskFillsMidWrite(patch, tmp_path)
+        with pytest.raises(OSError, match="No space left on device"):
+            callback.write_files(trainer, 3, {"lambda_1": 2.0}, round_files)
+        with pytest.raises(OSError, match="No space left on device"):
+            plots.save_png(image, tmp_path / "analysis" / "spectrum_history.png")
+    assert _left_in(tmp_path / "analysis" / "round_003") == {}
+    assert _left_in(tmp_path / "analysis") == {"round_003": None, "spectrum_history.png": earlier}
+    # the JSON written, the disk full at the first picture: the JSON is whole, the picture absent
+    with monkeypatch.context() as patch:
+        _DiskFillsMidWrite(patch, tmp_path, fails=lambda name: name.endswith(".png"))
+        with pytest.raises(OSError, match="No space left on device"):
+            callback.write_files(trainer, 3, {"lambda_1": 2.0}, round_files)
+    left = _left_in(tmp_path / "analysis" / "round_003")
+    assert sorted(left) == ["analysis.json"] and json.loads(left["analysis.json"])["spectrum"] == {"top": [2.0, 1.0]}
+    # the partition, at fit start
+    x, y = toy_data(n=40, num_classes=4)
+    dm = fixed_parts_module(x, y, [list(range(0, 20)), list(range(20, 40))], num_classes=4)
+    run_dir = tmp_path / "fit"
+    with monkeypatch.context() as patch:
+        _DiskFillsMidWrite(patch, run_dir)
+        with pytest.raises(OSError, match="No space left on device"):
+            fit(FedAvg(model="mlp", data_spec=dm.spec), dm, rounds=1, callbacks=[AnalysisCallback()],
+                default_root_dir=str(run_dir))
+    assert _left_in(run_dir / "analysis") == {}
 
 
 def test_partition_heatmap_of_1000_clients_is_a_bounded_picture():

@@ -74,6 +74,10 @@ MALFORMED = [
     (["--federation.on_divergence", "foo"], ["federation.on_divergence", "stop, skip_client"]),
     (["--trainer.accelerator", "banana"], ["trainer", "accelerator", "cpu"]),
     (["--trainer.accelerator", "gpu"], ["no usable GPU", "use --trainer.accelerator cpu"]),
+    # float16 autocast needs a GPU: on the CPU Lightning ran bf16-mixed under the name 16-mixed
+    (["--trainer.precision", "16-mixed", "--trainer.accelerator", "cpu"],
+     ["trainer.precision 16-mixed", "runs on a GPU only", "use --trainer.precision bf16-mixed"]),
+    (["--trainer.precision", "16", "--trainer.accelerator", "cpu"], ["trainer.precision 16-mixed", "GPU only"]),
     (["--trainer.accelerator", "cuda"], ["no usable GPU", "use --trainer.accelerator cpu"]),
     (["--trainer.devices", "abc"], ["trainer", "devices", "int > 0"]),
     (["--trainer.max_epochs", "-5"], ["trainer", "max_epochs", "non-negative"]),

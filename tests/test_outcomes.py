@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fl_test_utils import reproducible_rows
 
 from fl_lightning.checkpointing import completed_rounds
 from fl_lightning.outcome import EXIT_LOST, EXIT_STOPPED, EXIT_USER_ERROR, Outcome, read_outcome
@@ -98,6 +99,45 @@ def test_a_divergence_on_two_processes_ends_exactly_as_on_one(tmp_path):
     assert read_outcome(tmp_path / "2") is Outcome.DIVERGED
 
 
+def test_a_divergence_on_rank_1_only_ends_exactly_as_on_one_process(tmp_path):
+    """One client's upload is NaN, and with 2 processes that client trains on rank 1 alone: rank 0
+    saw only finite uploads, yet both processes stop after the same round, rank 0 prints the
+    line once, and the run is recorded as on one process."""
+    from fl_lightning.data.datamodule import FederatedDataModule
+    from fl_lightning.parallel import assign_clients
+
+    # TINY's data (seed_everything 0 is data.seed): round 2 samples clients 4 and 8, client 4 for
+    # the first time, and the longest-first assignment gives it to rank 1
+    data = FederatedDataModule(dataset="digits", num_clients=10, sample_ratio=0.2, local_epochs=5, batch_size=50,
+                               partition="dirichlet", alpha=0.1, partition_seed=0, min_size=5, seed=0)
+    data.setup()
+    rounds = [data.plan_round(r).clients for r in range(2)]
+    ranks = assign_clients([c.num_steps for c in rounds[1]], 2)
+    assert 4 not in [c.client for c in rounds[0]]
+    assert [rounds[1][i].client for i in ranks[1]] == [4] and 4 not in [rounds[1][i].client for i in ranks[0]]
+
+    args = ["--model", "faulty_methods.PoisonedClient", "--model.init_args.poisoned", "4",
+            "--federation.on_divergence", "stop", "--federation.collapse_rounds", "0", "--trainer.max_epochs", "3"]
+    procs = {n: start(tmp_path / str(n), *args, *(TWO_PROCESSES if n == 2 else [])) for n in (1, 2)}
+    lines = {}
+    for n, proc in procs.items():
+        code, err = finish(proc)
+        assert code == EXIT_STOPPED, err[-3000:]
+        lines[n] = assert_one_line(err, r"error: diverged: non-finite weights at round 2/3, client 4, method "
+                                        r"PoisonedClient; lower the lr or set --federation.on_divergence skip_client")
+    assert lines[1] == lines[2]
+    one, two = summary(tmp_path / "1"), summary(tmp_path / "2")
+    for record in (one, two):
+        assert record["outcome"] == "diverged" and record["diverged"] and not record["finished"]
+        assert record["reason"] == lines[1].removeprefix("error: ") and record["rounds_completed"] == 1
+    assert read_outcome(tmp_path / "2") is Outcome.DIVERGED
+    for n in procs:  # round 1 is saved, the diverged round 2 is not
+        saved = torch.load(tmp_path / str(n) / "checkpoints" / "last.ckpt", weights_only=False)
+        assert completed_rounds(saved) == 1
+    assert read_metrics(tmp_path / "1" / "metrics.csv")[0]["global/test_acc"] == \
+        read_metrics(tmp_path / "2" / "metrics.csv")[0]["global/test_acc"]
+
+
 def test_skip_client_on_two_processes_skips_the_same_client_and_runs_on(tmp_path):
     """One client's upload is NaN in every round it is sampled; on_divergence skip_client drops it
     on whichever process trained it, and both runs finish with the same per-round metrics."""
@@ -142,6 +182,7 @@ def test_a_signal_after_the_end_changes_nothing_and_a_resume_completes_the_recor
     # resuming the checkpoint of the last round writes them again and trains nothing
     (root / "summary.json").unlink()
     (root / "metrics.csv").unlink()
+    fit_runs = set((root / "wandb").glob("offline-run-*"))
     code, err = run(root, "--trainer.max_epochs", "2", "--ckpt_path", "last")
     assert code == 0 and not error_lines(err), err[-3000:]
     again = summary(root)
@@ -149,6 +190,24 @@ def test_a_signal_after_the_end_changes_nothing_and_a_resume_completes_the_recor
     assert (again["final_acc"], again["best_acc"]) == (done["final_acc"], done["best_acc"])
     assert read_metrics(root / "metrics.csv") == rows
     assert read_outcome(root) is Outcome.FINISHED  # what sweep and report read
+    # the resume's W&B run (offline: a run of its own) holds the completed summary too
+    (resumed,) = set((root / "wandb").glob("offline-run-*")) - fit_runs
+    dashboard = wandb_summary(resumed)
+    for key in ("outcome", "finished", "rounds_completed", "final_acc", "final_round", "best_acc", "best_round"):
+        assert dashboard.get(key) == done[key], key
+
+
+def wandb_summary(offline_run: Path) -> dict:
+    """The summary of an offline W&B run (its `offline-run-*` folder): the last value of every key
+    its summary records set."""
+    from fl_lightning.loggers import offline_records
+
+    values = {}
+    for record in offline_records(next(offline_run.glob("run-*.wandb"))):
+        if record.WhichOneof("record_type") == "summary":
+            values.update({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                           for item in record.summary.update})
+    return values
 
 
 def test_a_run_killed_after_its_last_checkpoint_is_finished_and_resumes_to_exit_0(tmp_path):
@@ -194,11 +253,12 @@ def test_a_run_killed_before_its_first_checkpoint_is_told_to_start_again_not_to_
 
 
 # ---- signals ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("first,second", [("SIGTERM", "SIGINT"), ("SIGINT", "SIGINT")])
+@pytest.mark.parametrize("first,second", [("SIGTERM", "SIGINT"), ("SIGINT", "SIGINT"), ("SIGINT", "SIGTERM"),
+                                          ("SIGTERM", "SIGTERM")])
 def test_a_second_signal_during_the_clean_up_changes_nothing(tmp_path, first, second):
-    """An impatient Ctrl-C Ctrl-C, a scheduler's TERM then INT: the second arrives while the first
-    is being handled (from Lightning's exception hooks); the exit is the first's, the checkpoint
-    intact."""
+    """An impatient Ctrl-C Ctrl-C, a scheduler's TERM then INT, a Ctrl-C then the scheduler's TERM,
+    a scheduler's TERM twice: the second arrives while the first is being handled (from
+    Lightning's exception hooks); the exit is the first's, the checkpoint intact."""
     root = tmp_path / "run"
     code, err = run(root, "--trainer.max_epochs", "3",
                     callback("killswitch.KillSwitch", round=2, where="train", sig=first, then=second))
@@ -341,7 +401,10 @@ def test_the_refused_write_named_is_the_first_one():
 
 @pytest.mark.parametrize("error,at", [("ENOSPC", 2), ("EROFS", 0)])
 def test_a_disk_that_refuses_writes_ends_in_one_line(tmp_path, error, at):
+    """Once there is room again, the resumed run ends with the weights of a run the disk never
+    refused, bit for bit (started alongside as the reference)."""
     root = tmp_path / "run"
+    straight = start(tmp_path / "straight", "--trainer.max_epochs", "3") if at else None
     code, err = run(root, "--trainer.max_epochs", "3", callback("killswitch.DiskFault", round=at, error=error))
     assert code == EXIT_LOST, err[-3000:]
     reason = "No space left on device" if error == "ENOSPC" else "Read-only file system"
@@ -351,6 +414,16 @@ def test_a_disk_that_refuses_writes_ends_in_one_line(tmp_path, error, at):
         code, err = run(root, "--trainer.max_epochs", "3", "--ckpt_path", "last")
         assert code == 0, err[-3000:]
         assert [r["round"] for r in read_metrics(root / "metrics.csv")] == [1, 2, 3]
+        code, err = finish(straight)
+        assert code == 0, err[-3000:]
+        resumed, reference = (torch.load(r / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+                              for r in (root, tmp_path / "straight"))
+        assert completed_rounds(resumed) == completed_rounds(reference) == 3
+        assert resumed["state_dict"].keys() == reference["state_dict"].keys()
+        for key, value in reference["state_dict"].items():
+            assert torch.equal(resumed["state_dict"][key], value), key
+        assert reproducible_rows(read_metrics(root / "metrics.csv")) == \
+            reproducible_rows(read_metrics(tmp_path / "straight" / "metrics.csv"))
 
 
 # ---- damaged client-state files ------------------------------------------------------------------
@@ -461,7 +534,8 @@ def test_a_resume_on_a_read_only_disk_says_how_many_rounds_are_saved(scaffold_ru
 def test_a_moved_run_directory_resumes_and_stray_temporaries_go(tmp_path, capsys):
     """The checkpoint names its state files relative to itself (it named them by absolute path: a
     moved run directory could not be resumed); a killed writer's temporaries in the state folders
-    are removed on the next start (those of the client-state store never were)."""
+    and the fit's analysis folders are removed on the next start (those of the client-state store
+    and of the analyses never were)."""
     from fl_lightning.cli import main
 
     first = tmp_path / "first"
@@ -469,12 +543,16 @@ def test_a_moved_run_directory_resumes_and_stray_temporaries_go(tmp_path, capsys
           "--trainer.default_root_dir", str(first)])  # exits only on failure
     root = first.rename(tmp_path / "elsewhere")  # the old path is gone
     stray = [root / "checkpoints" / "client_states" / ".partial-123-client3.v9.safetensors",
-             root / "checkpoints" / "client_states" / "rank1" / ".partial-124-client4.v9.safetensors"]
-    for path in stray:
+             root / "checkpoints" / "client_states" / "rank1" / ".partial-124-client4.v9.safetensors",
+             root / "analysis" / ".partial-125-spectrum_history.png",
+             root / "analysis" / "round_002" / ".partial-126-analysis.json"]
+    # `analyze` may be writing its own folder while the fit starts: its temporary stays
+    posthoc = root / "analysis" / "posthoc_round_002" / ".partial-127-analysis.json"
+    for path in [*stray, posthoc]:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"half")
     capsys.readouterr()
     code, err = _resume_in_process(root, capsys)
     assert code == 0, err[-3000:]
     assert summary(root)["rounds_completed"] == 3 and summary(root)["outcome"] == "finished"
-    assert not any(p.exists() for p in stray)
+    assert not any(p.exists() for p in stray) and posthoc.exists()

@@ -38,6 +38,13 @@ METHODS = {
     # server state of a server optimizer (FedAdam's m and v) and personal BatchNorm layers (FedBN)
     "fedadam": ["--config", str(REPO / "configs/settings/mnist5k.yaml"), "--model", "FedAdam",
                 "--model.init_args.model", "mlp", *TINY],
+    # the other server optimizers' state: FedAvgM's momentum u, FedYogi's and FedAdagrad's m and v
+    "fedavgm": ["--config", str(REPO / "configs/settings/mnist5k.yaml"), "--model", "FedAvgM",
+                "--model.init_args.model", "mlp", *TINY],
+    "fedyogi": ["--config", str(REPO / "configs/settings/mnist5k.yaml"), "--model", "FedYogi",
+                "--model.init_args.model", "mlp", *TINY],
+    "fedadagrad": ["--config", str(REPO / "configs/settings/mnist5k.yaml"), "--model", "FedAdagrad",
+                   "--model.init_args.model", "mlp", *TINY],
     "fedbn": ["--config", str(REPO / "configs/settings/mnist5k.yaml"), "--model", "FedBN",
               "--model.init_args.model", "mlp_bn", *TINY],
     # a bounded cache: client models are evicted to files mid-round, where the kill lands
@@ -110,6 +117,7 @@ def straight_runs(tmp_path_factory):
 
 @pytest.mark.parametrize(("method", "where"), [("fedsol", "train"), ("scaffold", "train"), ("fedproto", "train"),
                                                ("fedsol", "eval"), ("fedsol", "write"), ("fedadam", "train"),
+                                               ("fedavgm", "train"), ("fedyogi", "train"), ("fedadagrad", "train"),
                                                ("fedbn", "write")])
 def test_sigkill_in_round_4_then_resume_equals_uninterrupted(method, where, straight_runs, tmp_path):
     root = tmp_path / "run"

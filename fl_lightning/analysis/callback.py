@@ -40,6 +40,7 @@ from fl_lightning.analysis.divergence import classwise_accuracy, divergence_stat
 from fl_lightning.analysis.hessian import hessian_spectrum
 from fl_lightning.analysis.objective import HVP_MODES, SubsetObjective, eval_mode
 from fl_lightning.analysis.surface import DIRECTION_KINDS, filter_normalized_direction, slice_1d, surface_2d
+from fl_lightning.atomic import atomic_write_bytes
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import LOCAL_CLASS_ACC, federation_of, log_round_metrics
 from fl_lightning.loggers import FLWandbLogger
@@ -397,7 +398,7 @@ class AnalysisCallback(L.Callback):
         out = Path(trainer.default_root_dir) / "analysis"
         out.mkdir(parents=True, exist_ok=True)
         plots.save_png(image, out / "partition.png")
-        (out / "partition.json").write_text(json.dumps({"counts": counts.tolist()}))
+        atomic_write_bytes(out / "partition.json", json.dumps({"counts": counts.tolist()}).encode())
         rows = [[c, *counts[c].tolist(), int(counts[c].sum())] for c in range(len(counts))]
         columns = ["client", *[f"class_{k}" for k in range(counts.shape[1])], "total"]
         self._log_media(trainer, 0, {"analysis/partition": ("image", image),
@@ -412,7 +413,8 @@ class AnalysisCallback(L.Callback):
         out = Path(trainer.default_root_dir) / "analysis" / folder
         out.mkdir(parents=True, exist_ok=True)
         numbers = {k: v for k, v in files.items() if not k.endswith(".png")}
-        (out / "analysis.json").write_text(json.dumps({"round": round_no, "scalars": scalars, **numbers}, indent=1))
+        atomic_write_bytes(out / "analysis.json",
+                           json.dumps({"round": round_no, "scalars": scalars, **numbers}, indent=1).encode())
         for key, image in files.items():
             if key.endswith(".png"):
                 plots.save_png(image, out / key)

@@ -80,7 +80,8 @@ def lanczos(matvec: MatVec, dim: int, k: int = 5, max_iter: int = 40, tol: float
     n = len(alphas)
     order = torch.arange(n - 1, -1, -1)
     evals, evecs, residual = evals[order], evecs[:, order], residual[order]
-    vectors = (evecs[:, : min(k, n)].T.to(dtype) @ basis[:n])
+    # the tridiagonal problem is solved on the CPU, the Krylov basis lives on the model's device
+    vectors = evecs[:, : min(k, n)].T.to(device=basis.device, dtype=dtype) @ basis[:n]
     vectors = vectors / vectors.norm(dim=1, keepdim=True)
     return LanczosResult(evals, vectors, residual, n)
 

@@ -6,12 +6,15 @@ user's own figures (figures are built from `Figure` directly, never through `pyp
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from fl_lightning.atomic import atomic_write_bytes
 
 
 def _to_array(fig: Figure) -> np.ndarray:
@@ -164,7 +167,10 @@ def spectrum_history_figure(rounds: Sequence[int], lambda_1: Sequence[float], ra
 
 
 def save_png(image: np.ndarray, path: Path) -> None:
+    """The image as a PNG file, written atomically (encoded in memory, then atomic_write_bytes): a
+    process killed or a disk filled mid-write leaves the old file or none, never half a picture."""
     from PIL import Image
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(image).save(path)
+    encoded = io.BytesIO()
+    Image.fromarray(image).save(encoded, format="png")
+    atomic_write_bytes(path, encoded.getvalue())
