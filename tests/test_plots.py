@@ -3,6 +3,7 @@
 other cells stay distinguishable)."""
 
 import numpy as np
+import pytest
 
 from fl_lightning.analysis import plots
 
@@ -61,6 +62,21 @@ def test_the_sharpness_history_draws_each_quantity_on_its_own_axes():
     assert [ax.get_ylabel() for ax in axes] == ["λ1 (sharpness)", "λ1 / λ5"]
     assert [list(ax.get_lines()[0].get_ydata()) for ax in axes] == [[5.4, 6.0], [2.6, 2.8]]
     assert axes[1].get_xlabel() == "round" and axes[0].get_title() == "FedSOL, mnist5k: sharpness over rounds"
+
+
+@pytest.mark.parametrize("rounds", [[5], [5, 10, 15, 20]])
+def test_the_sharpness_history_ticks_whole_rounds(rounds):
+    """After the first analysis round the history has one point, and its round axis was ticked
+    4.8, 4.9, 5.0, ... (5.04, 5.10 after a first fix): rounds are whole numbers."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = plots.spectrum_history_figure(rounds, [5.2] * len(rounds), [2.6] * len(rounds), 5, "t")
+    FigureCanvasAgg(fig).draw()
+    lower = fig.axes[1]
+    low, high = lower.get_xlim()
+    ticks = [t for t in lower.get_xticks() if low <= t <= high]
+    assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks)
+    assert low < min(rounds) and max(rounds) < high
 
 
 def test_a_pictures_title_names_the_setting_not_the_directory(tmp_path):

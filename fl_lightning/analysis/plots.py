@@ -160,7 +160,11 @@ def spectrum_history_figure(rounds: Sequence[int], lambda_1: Sequence[float], ra
     upper.set(title=title, ylabel="λ1 (sharpness)")
     lower.plot(rounds, ratio, marker="s", color="tab:red")
     lower.set(xlabel="round", ylabel=f"λ1 / λ{k}")
-    lower.xaxis.get_major_locator().set_params(integer=True)
+    from matplotlib.ticker import MaxNLocator
+
+    lower.xaxis.set_major_locator(MaxNLocator(integer=True))  # rounds are whole numbers
+    if len(set(rounds)) == 1:  # one analysis so far: a span with whole rounds on both sides of it
+        lower.set_xlim(rounds[0] - 1, rounds[0] + 1)
     for ax in (upper, lower):
         ax.grid(alpha=0.3)
     return fig
