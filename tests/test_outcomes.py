@@ -81,21 +81,28 @@ def assert_one_line(err: str, pattern: str) -> str:
 
 
 # ---- a decision to stop is the same on every process ----------------------------------------------
-def test_a_divergence_on_two_processes_ends_exactly_as_on_one(tmp_path):
-    """lr 1e25: every client's weights become NaN on both processes (rank 1 used to crash in
-    its W&B summary call with a traceback, and summary.json said diverged: false)."""
-    diverging = ["--model.init_args.lr", "1e25", "--federation.collapse_rounds", "0", "--trainer.max_epochs", "3"]
-    procs = {n: start(tmp_path / str(n), *diverging, *(TWO_PROCESSES if n == 2 else [])) for n in (1, 2)}
+def stopped_alike_on_one_and_two_processes(tmp_path, args: list[str], line: str) -> tuple[str, dict, dict]:
+    """The same command on 1 and on 2 processes: both exit 3 with the same single `line` (a
+    regex); returns that line and the two runs' summary.json."""
+    procs = {n: start(tmp_path / str(n), *args, *(TWO_PROCESSES if n == 2 else [])) for n in (1, 2)}
     lines = {}
     for n, proc in procs.items():
         code, err = finish(proc)
         assert code == EXIT_STOPPED, err[-3000:]
-        lines[n] = assert_one_line(err, r"error: diverged: non-finite weights at round 1/3, client \d+, method FedAvg; "
-                                        r"lower the lr or set --federation.on_divergence skip_client")
+        lines[n] = assert_one_line(err, line)
     assert lines[1] == lines[2]
-    one, two = summary(tmp_path / "1"), summary(tmp_path / "2")
+    return lines[1], summary(tmp_path / "1"), summary(tmp_path / "2")
+
+
+def test_a_divergence_on_two_processes_ends_exactly_as_on_one(tmp_path):
+    """lr 1e25: every client's weights become NaN on both processes (rank 1 used to crash in
+    its W&B summary call with a traceback, and summary.json said diverged: false)."""
+    diverging = ["--model.init_args.lr", "1e25", "--federation.collapse_rounds", "0", "--trainer.max_epochs", "3"]
+    line, one, two = stopped_alike_on_one_and_two_processes(
+        tmp_path, diverging, r"error: diverged: non-finite weights at round 1/3, client \d+, method FedAvg; "
+                             r"lower the lr or set --federation.on_divergence skip_client")
     assert one["outcome"] == two["outcome"] == "diverged" and one["diverged"] and two["diverged"]
-    assert one["reason"] == two["reason"] == lines[1].removeprefix("error: ")
+    assert one["reason"] == two["reason"] == line.removeprefix("error: ")
     assert read_outcome(tmp_path / "2") is Outcome.DIVERGED
 
 
@@ -118,20 +125,14 @@ def test_a_divergence_on_rank_1_only_ends_exactly_as_on_one_process(tmp_path):
 
     args = ["--model", "faulty_methods.PoisonedClient", "--model.init_args.poisoned", "4",
             "--federation.on_divergence", "stop", "--federation.collapse_rounds", "0", "--trainer.max_epochs", "3"]
-    procs = {n: start(tmp_path / str(n), *args, *(TWO_PROCESSES if n == 2 else [])) for n in (1, 2)}
-    lines = {}
-    for n, proc in procs.items():
-        code, err = finish(proc)
-        assert code == EXIT_STOPPED, err[-3000:]
-        lines[n] = assert_one_line(err, r"error: diverged: non-finite weights at round 2/3, client 4, method "
-                                        r"PoisonedClient; lower the lr or set --federation.on_divergence skip_client")
-    assert lines[1] == lines[2]
-    one, two = summary(tmp_path / "1"), summary(tmp_path / "2")
+    line, one, two = stopped_alike_on_one_and_two_processes(
+        tmp_path, args, r"error: diverged: non-finite weights at round 2/3, client 4, method PoisonedClient; "
+                        r"lower the lr or set --federation.on_divergence skip_client")
     for record in (one, two):
         assert record["outcome"] == "diverged" and record["diverged"] and not record["finished"]
-        assert record["reason"] == lines[1].removeprefix("error: ") and record["rounds_completed"] == 1
+        assert record["reason"] == line.removeprefix("error: ") and record["rounds_completed"] == 1
     assert read_outcome(tmp_path / "2") is Outcome.DIVERGED
-    for n in procs:  # round 1 is saved, the diverged round 2 is not
+    for n in (1, 2):  # round 1 is saved, the diverged round 2 is not
         saved = torch.load(tmp_path / str(n) / "checkpoints" / "last.ckpt", weights_only=False)
         assert completed_rounds(saved) == 1
     assert read_metrics(tmp_path / "1" / "metrics.csv")[0]["global/test_acc"] == \
