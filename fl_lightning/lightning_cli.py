@@ -643,6 +643,11 @@ def main(args: list[str] | None = None) -> None:
         _stop_launched_processes()
         code, line = _after_interrupt(err)
     except Exception as err:
+        if not first and lost_peer(err):
+            # A rank 0 killed mid-run closes its sockets before the kernel hands this process to a
+            # new parent, so the lost collective can be seen before rank 0 looks gone: without
+            # this wait the line (which must name rank 0 when it died) was left unsaid.
+            _parent_gone(wait=_PARENT_EXIT_SECONDS)
         reported = one_line_error(err, args)
         if reported is not None and reported[1] == EXIT_LOST and first and lost_peer(err):
             trainer = _trainer()
@@ -757,6 +762,7 @@ def _after_interrupt(err: FLInterrupted) -> tuple[int, str | None]:
 
 _INITIAL_PARENT = os.getppid()
 _REPORT_GRACE_SECONDS = 3.0
+_PARENT_EXIT_SECONDS = 2.0  # a killed process's exit, from its sockets closing to its children reparented
 
 
 def _launched_by_rank_0() -> bool:
@@ -766,10 +772,18 @@ def _launched_by_rank_0() -> bool:
             and not any(name in os.environ for name in ("RANK", "TORCHELASTIC_RUN_ID", "SLURM_LOCALID")))
 
 
-def _parent_gone() -> bool:
+def _parent_gone(wait: float = 0.0) -> bool:
     """For a process Lightning's launcher started (ranks > 0 on one machine): rank 0, its parent,
-    has died, so nobody else will say what happened."""
-    return not is_first_process() and os.getppid() != _INITIAL_PARENT
+    has died, so nobody else will say what happened. With `wait`, up to that many seconds for a
+    dying parent's exit to complete (this process is reparented only then)."""
+    if is_first_process():
+        return False
+    deadline = time.monotonic() + wait
+    while os.getppid() == _INITIAL_PARENT:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 if __name__ == "__main__":

@@ -557,3 +557,25 @@ def test_a_moved_run_directory_resumes_and_stray_temporaries_go(tmp_path, capsys
     assert code == 0, err[-3000:]
     assert summary(root)["rounds_completed"] == 3 and summary(root)["outcome"] == "finished"
     assert not any(p.exists() for p in stray) and posthoc.exists()
+
+
+def test_a_launched_process_waits_for_its_dying_parent_before_it_decides_who_speaks(monkeypatch):
+    """Rank 0 killed mid-run closes its sockets before the kernel reparents rank 1, so rank 1 can
+    see the lost collective while rank 0 still looks alive; it then left the run's line unsaid
+    (CI: `kill -9 of rank 0` ended with no error line, once). Rank 1 now waits for the parent's
+    exit to complete before deciding that rank 0 will speak."""
+    import time
+
+    from fl_lightning import lightning_cli
+
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    dies_at = time.monotonic() + 0.3
+    monkeypatch.setattr(lightning_cli.os, "getppid",
+                        lambda: lightning_cli._INITIAL_PARENT if time.monotonic() < dies_at else 1)
+    assert not lightning_cli._parent_gone()  # the moment the collective failed
+    assert lightning_cli._parent_gone(wait=lightning_cli._PARENT_EXIT_SECONDS)
+    monkeypatch.setattr(lightning_cli.os, "getppid", lambda: lightning_cli._INITIAL_PARENT)
+    started = time.monotonic()
+    assert not lightning_cli._parent_gone(wait=0.2) and time.monotonic() - started >= 0.2  # alive: no
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert not lightning_cli._parent_gone(wait=5)  # rank 0 has no such parent, and does not wait
