@@ -403,7 +403,6 @@ class FederatedDataModule(L.LightningDataModule):
         if tensors.augment:
             generator = client_generator(self.hparams.seed, work.round, work.client, tensors.images.device)
         device = tensors.images.device
-        finished = not tensors.augment and tensors.images.dtype != torch.uint8  # stored as the model sees them
         for order in work.orders:
             # one gather per local epoch; its mini-batches are then views, not copies (split makes
             # them in one call, a few microseconds a step less than slicing them one by one)
@@ -414,7 +413,7 @@ class FederatedDataModule(L.LightningDataModule):
                     share = share if isinstance(share, slice) else torch.as_tensor(share, device=device)
                     yield tensors.finish(x, generator, share), y[share]
                 else:
-                    yield (x if finished else tensors.finish(x, generator)), y
+                    yield tensors.finish(x, generator), y
 
     def _eval_loader(self, dataset, indices: np.ndarray | None = None) -> DataLoader:
         tensors = self._on_device(dataset) if self.trainer is not None else None
