@@ -4,8 +4,9 @@ heterogeneous client's own model on its own test split, personalised fine-tuning
 analyses' per-class accuracy.
 
 `Evaluation` holds torchmetrics metrics (accuracy, mean cross-entropy; optionally per-class
-accuracy), so Lightning can log and sync them across processes, and `evaluate` runs a model over
-batches with it. One NaN policy for all of them: class scores are taken as they are (in float32),
+accuracy), so Lightning can log and sync them across processes (the global model's evaluation).
+`Tally` counts the same figures for an evaluation a process makes for itself, and `evaluate` runs a
+model over batches with it. One NaN policy for all of them: class scores are taken as they are (in float32),
 so a model with NaN/inf scores gets a NaN loss, never dropped, never replaced, and the divergence
 check sees it. (A method that wants to exclude classes from its predictions, such as prediction by
 the nearest prototype among the classes that have one, gives them a large finite negative score,
@@ -16,7 +17,6 @@ accuracy is never the best.
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -99,13 +99,10 @@ class Evaluation(nn.Module):
             self.per_class.update(scores, y)
 
     def result(self) -> EvalResult:
-        correct, samples = int(self.accuracy.tp.sum()), int((self.accuracy.tp + self.accuracy.fn).sum())
-        class_accuracy = None
-        if self.per_class is not None:
-            tp, support = self.per_class.tp.double(), (self.per_class.tp + self.per_class.fn).double()
-            class_accuracy = torch.where(support > 0, tp / support.clamp_min(1), torch.full_like(tp, math.nan))
-        loss = float(self.loss.total / self.loss.samples) if samples else math.nan  # this process's counts
-        return EvalResult(correct / samples if samples else math.nan, loss, correct, samples, class_accuracy)
+        """This process's counts (what `compute` would sync is not waited for)."""
+        per_class = None if self.per_class is None else (self.per_class.tp, self.per_class.tp + self.per_class.fn)
+        return _eval_result(int(self.accuracy.tp.sum()), int((self.accuracy.tp + self.accuracy.fn).sum()),
+                            float(self.loss.total), per_class)
 
     def reset(self) -> None:
         for metric in (self.accuracy, self.loss, self.per_class):
@@ -113,19 +110,59 @@ class Evaluation(nn.Module):
                 metric.reset()
 
 
-def fresh_evaluation(num_classes: int, per_class: bool, device: torch.device | str) -> Evaluation:
-    """An `Evaluation` with no counts, for one evaluation made by this process for itself (not
-    synced). Building torchmetrics' metrics costs about twice a small model's forward pass over 300
-    samples, and a round evaluates every client's model, so one per kind is kept and reset (the
-    evaluations run one after another, on the main thread)."""
-    metrics = _kept_evaluation(num_classes, per_class, torch.device(device))
-    metrics.reset()
-    return metrics
+def _eval_result(correct: int, samples: int, loss_total: float,
+                 per_class: tuple[torch.Tensor, torch.Tensor] | None) -> EvalResult:
+    """EvalResult from counts: correct and samples, the cross-entropy summed over the samples, and
+    (correct, samples) per class when counted."""
+    class_accuracy = None
+    if per_class is not None:
+        hits, support = per_class[0].double(), per_class[1].double()
+        class_accuracy = torch.where(support > 0, hits / support.clamp_min(1), torch.full_like(hits, math.nan))
+    if not samples:
+        return EvalResult(math.nan, math.nan, correct, samples, class_accuracy)
+    return EvalResult(correct / samples, loss_total / samples, correct, samples, class_accuracy)
 
 
-@functools.lru_cache(maxsize=16)
-def _kept_evaluation(num_classes: int, per_class: bool, device: torch.device) -> Evaluation:
-    return Evaluation(num_classes, per_class).to(device)
+class Tally:
+    """The counts of `Evaluation` (accuracy, mean cross-entropy, per-class accuracy), with the same
+    figures and NaN policy (class scores taken as they are, in float32; argmax as torchmetrics
+    takes it), for an evaluation one process makes for itself and never syncs: a local model, a
+    client's own model, the analyses' class-wise accuracy. Counted with plain tensor ops, since
+    torchmetrics' metric objects cost about 0.33 ms an evaluation in their reset and update
+    bookkeeping, more than a small model's forward pass over 300 samples (0.23 ms), and a round
+    evaluates every client's model (benchmarks/core_overhead.py). Counts stay on the device until
+    `result`."""
+
+    def __init__(self, num_classes: int, per_class: bool = False):
+        self.num_classes, self.per_class = num_classes, per_class
+        self.reset()
+
+    def reset(self) -> None:
+        self._correct: torch.Tensor | int = 0
+        self._loss_total: torch.Tensor | float = 0.0
+        self._samples = 0
+        self._class_hits: torch.Tensor | None = None
+        self._class_support: torch.Tensor | None = None
+
+    def update(self, scores: torch.Tensor, y: torch.Tensor) -> None:
+        scores = scores.float()
+        hit = scores.argmax(dim=1) == y
+        self._correct = self._correct + hit.sum()
+        self._loss_total = self._loss_total + F.cross_entropy(scores, y, reduction="sum").double()
+        self._samples += len(y)
+        if self.per_class:
+            hits, support = (torch.bincount(t, minlength=self.num_classes) for t in (y[hit], y))
+            if self._class_hits is None:
+                self._class_hits, self._class_support = hits, support
+            else:
+                self._class_hits, self._class_support = self._class_hits + hits, self._class_support + support
+
+    def result(self) -> EvalResult:
+        per_class = None
+        if self.per_class:
+            empty = torch.zeros(self.num_classes, dtype=torch.long)
+            per_class = (empty, empty) if self._class_hits is None else (self._class_hits, self._class_support)
+        return _eval_result(int(self._correct), self._samples, float(self._loss_total), per_class)
 
 
 def model_dtype(model: nn.Module) -> torch.dtype:
@@ -149,7 +186,7 @@ def evaluate(model: nn.Module, batches: Iterable, num_classes: int, device: torc
     with `model` installed), else `model(x)`."""
     device = torch.device(device) if device is not None else next(model.parameters()).device
     dtype = model_dtype(model)
-    metrics = fresh_evaluation(num_classes, per_class, device)
+    metrics = Tally(num_classes, per_class)
     forward = scores or model
     with eval_mode(model):
         for x, y in batches:

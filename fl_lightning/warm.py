@@ -40,10 +40,13 @@ LATE_IMPORTS = ("wandb", "wandb.sdk.launch", "sklearn.datasets", "mlxtend.data",
 def serve() -> None:
     """The worker's loop (runs in the warm process)."""
     import fl_lightning.lightning_cli as cli  # the start-up every run would otherwise pay
+    from fl_lightning import compat
 
     for name in LATE_IMPORTS:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
+    with contextlib.suppress(ImportError):
+        compat.list_installed_packages_once()  # W&B's package list, read here once for all runs
 
     # Ctrl-C reaches the whole foreground group: the runs handle it (clean stop, checkpoint kept);
     # the idle worker must outlive it so the sweep can collect their exit codes.

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from fl_lightning.evaluation import fresh_evaluation
+from fl_lightning.evaluation import Tally
 
 
 def update_gram(uploads: Sequence[Mapping[str, torch.Tensor]], global_params: Mapping[str, torch.Tensor],
@@ -51,7 +51,7 @@ def divergence_stats(gram: torch.Tensor) -> dict[str, float]:
 @torch.no_grad()
 def classwise_accuracy(scores: torch.Tensor, y: torch.Tensor, num_classes: int) -> torch.Tensor:
     """Accuracy per true class (NaN for a class absent from y), on the CPU."""
-    metrics = fresh_evaluation(num_classes, True, scores.device)
+    metrics = Tally(num_classes, per_class=True)
     metrics.update(scores, y)
     return metrics.result().class_accuracy.cpu()
 

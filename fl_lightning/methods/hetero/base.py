@@ -44,7 +44,7 @@ from torch import nn
 from fl_lightning import compat
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
-from fl_lightning.evaluation import Evaluation, eval_mode, fresh_evaluation
+from fl_lightning.evaluation import Tally, eval_mode
 from fl_lightning.methods.base import FederatedMethod, abstract_base
 from fl_lightning.models.base import FLModel
 from fl_lightning.models.hetero import build_group_model, client_architecture, group_members
@@ -311,10 +311,10 @@ class HeteroMethod(FederatedMethod):
     def evaluate_clients(self) -> tuple[float, float, list[float]]:
         """Each client's own model on its own test split: (total correct / total, mean CE, per-client acc)."""
         dm, num_classes = self.trainer.datamodule, self.hparams.data_spec.num_classes
-        overall = Evaluation(num_classes).to(self.device)
+        overall = Tally(num_classes)
         per_client = []
         for client in range(self.num_clients):
-            mine = fresh_evaluation(num_classes, False, self.device)
+            mine = Tally(num_classes)
             with self.client_model(client) as model, eval_mode(model):
                 for x, y in dm.client_loader(client, "test"):
                     x, y = self.trainer.precision_plugin.convert_input(x.to(self.device)), y.to(self.device)
