@@ -465,9 +465,19 @@ def worker_envs(workers: int, gpus: list[str] | None, cores: int) -> list[dict[s
     return envs
 
 
+def warm_workers(spec: Spec, envs: list[dict[str, str]]) -> list[WarmWorker]:
+    """One warm worker per environment, started now: each imports for several seconds in a process
+    of its own, while this one parses every command (which imports the CLI too)."""
+    common = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_RUN_GROUP": spec.name}
+    workers = [WarmWorker({**common, **env}) for env in envs]
+    for worker in workers:
+        worker.launch()
+    return workers
+
+
 class LocalSweep:
-    def __init__(self, spec: Spec, runs: list[PlannedRun], root: Path, envs: list[dict[str, str]]):
-        self.spec, self.runs, self.envs = spec, runs, envs
+    def __init__(self, spec: Spec, runs: list[PlannedRun], root: Path, workers: list[WarmWorker]):
+        self.spec, self.runs, self.workers = spec, runs, workers
         self.sweep_dir = root / spec.name
         self.meta = self.sweep_dir / ".sweep"
         self.lock = threading.Lock()
@@ -503,9 +513,7 @@ class LocalSweep:
             print(text, flush=True)
 
     def _work(self, worker: int, todo: queue.Queue) -> None:
-        env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_RUN_GROUP": self.spec.name,
-               **self.envs[worker]}
-        warm = WarmWorker(env)  # pays the imports once; each run is a process forked from it
+        warm = self.workers[worker]  # paid the imports once; each run is a process forked from it
         try:
             self._work_with(worker, todo, warm)
         finally:
@@ -562,10 +570,10 @@ class LocalSweep:
             todo.put(run)
         already = sum(run_state(self.sweep_dir / r.name) in FINAL_STATES
                       for r in self.runs)
-        print(f"sweep {self.spec.name}: {len(self.runs)} runs ({already} already done) on {len(self.envs)} "
-              f"worker{'s' if len(self.envs) != 1 else ''} in {self.sweep_dir}", flush=True)
+        print(f"sweep {self.spec.name}: {len(self.runs)} runs ({already} already done) on {len(self.workers)} "
+              f"worker{'s' if len(self.workers) != 1 else ''} in {self.sweep_dir}", flush=True)
         began = time.time()
-        threads = [threading.Thread(target=self._work, args=(i, todo), daemon=True) for i in range(len(self.envs))]
+        threads = [threading.Thread(target=self._work, args=(i, todo), daemon=True) for i in range(len(self.workers))]
         previous = signal.signal(signal.SIGTERM, _raise_interrupt)
         try:
             for t in threads:
@@ -707,10 +715,15 @@ def main(argv: list[str]) -> int:
                 print(f"{' '.join(f'{k}={v}' for k, v in env.items())} {shlex.join(argv)}".strip())
             return 0
         return online(spec, gpus, workers, opts.count, opts.project, opts.entity)
-    runs = plan(spec, Path(opts.root), seed=opts.seed, count=opts.count)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    sweep = LocalSweep(spec, runs, Path(opts.root), worker_envs(workers, gpus, cores))
     if opts.dry_run:
-        sweep.dry_run()
+        LocalSweep(spec, plan(spec, Path(opts.root), seed=opts.seed, count=opts.count), Path(opts.root), []).dry_run()
         return 0
-    return sweep.run()
+    warm = warm_workers(spec, worker_envs(workers, gpus, cores))  # they import while the commands are parsed
+    try:
+        runs = plan(spec, Path(opts.root), seed=opts.seed, count=opts.count)
+    except BaseException:
+        for worker in warm:
+            worker.close()
+        raise
+    return LocalSweep(spec, runs, Path(opts.root), warm).run()

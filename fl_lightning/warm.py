@@ -112,6 +112,11 @@ class WarmWorker:
     def __init__(self, env: dict[str, str]):
         self.env = env
         self.proc: subprocess.Popen | None = None
+        self.started_runs = 0
+
+    def launch(self) -> None:
+        """Start the worker process (its imports take seconds; the caller can go on meanwhile)."""
+        self._ensure()
 
     def _ensure(self) -> subprocess.Popen:
         if self.proc is None or self.proc.poll() is not None:
@@ -122,6 +127,7 @@ class WarmWorker:
     def start(self, args: list[str], log: str) -> int | None:
         """Starts the run; its pid, or None if the worker died before starting it."""
         proc = self._ensure()
+        self.started_runs += 1
         try:
             proc.stdin.write(json.dumps({"args": args, "log": log}) + "\n")
             proc.stdin.flush()
@@ -138,6 +144,10 @@ class WarmWorker:
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
+            if not self.started_runs:  # still importing, or idle: it holds nothing, so no waiting
+                self.proc.kill()
+                self.proc.wait()
+                return
             self.proc.stdin.close()
             try:
                 self.proc.wait(timeout=10)

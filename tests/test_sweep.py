@@ -165,6 +165,20 @@ def test_bad_specs_are_one_line_and_exit_2_before_any_run(tmp_path, parameters, 
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], err
     assert not (tmp_path / "runs").exists()  # nothing started
+    # the warm worker starts importing while the commands are parsed; a refused spec ends it
+    assert warm_worker_children() == []
+
+
+def warm_worker_children() -> list[int]:
+    """Live (not zombie) processes of this one's that are warm sweep workers."""
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        with contextlib.suppress(OSError):
+            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+            if int(fields["PPid"]) == os.getpid() and not fields["State"].startswith("Z"):
+                if b"_warm_worker" in (status.parent / "cmdline").read_bytes():
+                    found.append(int(status.parent.name))
+    return found
 
 
 def test_gpus_naming_an_absent_gpu_is_refused(tmp_path):
@@ -217,7 +231,7 @@ def test_dry_run_prints_every_command_and_starts_nothing(tmp_path):
 def test_restart_skips_finished_resumes_checkpointed_and_overwrites_the_rest(tmp_path, capsys):
     spec = sweep.load_spec(write_spec(tmp_path / "s.yaml", {"seed_everything": {"values": [0, 1, 2, 3, 4]}}))
     runs = sweep.plan(spec, tmp_path / "runs", validate=False)
-    local = sweep.LocalSweep(spec, runs, tmp_path / "runs", sweep.worker_envs(1, None, cores=1))
+    local = sweep.LocalSweep(spec, runs, tmp_path / "runs", workers=[])
     d = tmp_path / "runs" / "s"
     (d / "seed=0" / "checkpoints").mkdir(parents=True)
     (d / "seed=0" / "summary.json").write_text(json.dumps({"finished": True}))
@@ -378,7 +392,7 @@ def test_a_damaged_record_is_read_as_absent_fields_and_the_sweep_rewrites_it(tmp
     and the sweep exited 0 with that run never started."""
     spec = sweep.load_spec(write_spec(tmp_path / "s.yaml", {"seed_everything": {"values": [0]}}))
     runs = sweep.plan(spec, tmp_path / "runs", validate=False)
-    local = sweep.LocalSweep(spec, runs, tmp_path / "runs", sweep.worker_envs(1, None, cores=1))
+    local = sweep.LocalSweep(spec, runs, tmp_path / "runs", workers=[])
     path = local.record_path(runs[0])
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps({"attempts": "two", "index": "first", "status": 3, "exit_code": True, "note": "x"}))
