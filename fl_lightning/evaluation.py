@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import Metric
 from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.functional.classification import multiclass_stat_scores
 
 
 @contextlib.contextmanager
@@ -125,13 +126,13 @@ def _eval_result(correct: int, samples: int, loss_total: float,
 
 class Tally:
     """The counts of `Evaluation` (accuracy, mean cross-entropy, per-class accuracy), with the same
-    figures and NaN policy (class scores taken as they are, in float32; argmax as torchmetrics
-    takes it), for an evaluation one process makes for itself and never syncs: a local model, a
-    client's own model, the analyses' class-wise accuracy. Counted with plain tensor ops, since
-    torchmetrics' metric objects cost about 0.33 ms an evaluation in their reset and update
-    bookkeeping, more than a small model's forward pass over 300 samples (0.23 ms), and a round
-    evaluates every client's model (benchmarks/core_overhead.py). Counts stay on the device until
-    `result`."""
+    figures and NaN policy, for an evaluation one process makes for itself and never syncs: a local
+    model, a client's own model, the analyses' class-wise accuracy. torchmetrics counts (its
+    functional `multiclass_stat_scores`, the same counting as `Evaluation`'s metric objects); the
+    metric objects themselves are not used here because their reset and update bookkeeping costs
+    about 0.33 ms an evaluation, more than a small model's forward pass over 300 samples (0.23
+    ms), and a round evaluates every client's model (benchmarks/core_overhead.py). Counts stay on
+    the device until `result`."""
 
     def __init__(self, num_classes: int, per_class: bool = False):
         self.num_classes, self.per_class = num_classes, per_class
@@ -146,16 +147,18 @@ class Tally:
 
     def update(self, scores: torch.Tensor, y: torch.Tensor) -> None:
         scores = scores.float()
-        hit = scores.argmax(dim=1) == y
-        self._correct = self._correct + hit.sum()
+        # (tp, fp, tn, fn, support), per class or summed over classes
+        stats = multiclass_stat_scores(scores, y, self.num_classes, average="none" if self.per_class else "micro",
+                                       validate_args=False)
+        tp, fn = stats[..., 0], stats[..., 3]
+        self._correct = self._correct + tp.sum()
         self._loss_total = self._loss_total + F.cross_entropy(scores, y, reduction="sum").double()
         self._samples += len(y)
         if self.per_class:
-            hits, support = (torch.bincount(t, minlength=self.num_classes) for t in (y[hit], y))
             if self._class_hits is None:
-                self._class_hits, self._class_support = hits, support
+                self._class_hits, self._class_support = tp, tp + fn
             else:
-                self._class_hits, self._class_support = self._class_hits + hits, self._class_support + support
+                self._class_hits, self._class_support = self._class_hits + tp, self._class_support + tp + fn
 
     def result(self) -> EvalResult:
         per_class = None
