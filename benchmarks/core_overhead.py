@@ -5,8 +5,10 @@ The plain side loops over mini-batches sliced from the training tensors before i
 it pays for nothing but the model's forward/backward/step, the per-client reset and upload copy,
 the weighted average and the global model's evaluation on the test set once a round. Times are
 CPU time of this process (on a shared machine wall time mostly measures the neighbours); (i) also
-prints wall time. Project and plain runs alternate (`--repeats`); the first round of every run is
-dropped as warm-up.
+prints wall time. In (i) every project round is followed by the plain loop's same round, and the
+ratios are the medians of the per-round ratios (a shared machine's speed drifts by 20% between
+runs a minute apart); in (ii) and (iii) project and plain runs alternate (`--repeats`). The first
+round of every run is dropped as warm-up.
 
     PYTHONPATH=. python benchmarks/core_overhead.py [--repeats 3] [--only i]
 
@@ -97,18 +99,26 @@ def project(setting: dict, model: str, method: str, rounds: int):
     return clock.times, clock.client_time, init, module.model.state_dict()
 
 
-def plain(setting: dict, model_name: str, method: str, rounds: int, init: dict):
-    """The same rounds in plain PyTorch; FedSOL(head) with its perturbation by functional_call."""
-    dm = FederatedDataModule(**setting)
-    dm.setup()
-    train, test = dm.train_set.tensors(), dm.test_set.tensors()
-    model = build_model(model_name, dm.spec)
-    model.load_state_dict(init)
-    teacher = build_model(model_name, dm.spec).requires_grad_(False).eval()
-    lr, times, walls, client_times, steps = OPT["lr"], [], [], [], []
-    h = dm.hparams
-    for r in range(rounds):
-        plan = dm.plan_round(r)  # the clients and batch indices the project's round uses
+class PlainRounds:
+    """The same rounds in plain PyTorch, one call a round; FedSOL(head) with its perturbation by
+    functional_call. Its model is built at construction (before a project run seeds the RNG, so
+    that run's random numbers are its own) and takes the initial weights with `start`."""
+
+    def __init__(self, setting: dict, model_name: str, method: str):
+        self.dm = FederatedDataModule(**setting)
+        self.dm.setup()
+        self.train, self.test = self.dm.train_set.tensors(), self.dm.test_set.tensors()
+        self.model = build_model(model_name, self.dm.spec)
+        self.teacher = build_model(model_name, self.dm.spec).requires_grad_(False).eval()
+        self.method, self.lr = method, OPT["lr"]
+
+    def start(self, init: dict) -> None:
+        self.model.load_state_dict(init)
+
+    def run_round(self, r: int) -> tuple[float, float, float, int]:
+        """(CPU s, wall s, CPU s in clients, local steps) of round r."""
+        model, teacher, train, test, h = self.model, self.teacher, self.train, self.test, self.dm.hparams
+        plan = self.dm.plan_round(r)  # the clients and batch indices the project's round uses
         clients = [w.client for w in plan.clients]
         batches = {w.client: [(train.images[b], train.labels[b]) for b in w.batches] for w in plan.clients}
         start, wall_start = time.process_time(), time.perf_counter()
@@ -118,11 +128,11 @@ def plain(setting: dict, model_name: str, method: str, rounds: int, init: dict):
         for c in clients:
             client_start = time.process_time()
             model.load_state_dict(global_w)
-            opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=OPT["momentum"],
+            opt = torch.optim.SGD(model.parameters(), lr=self.lr, momentum=OPT["momentum"],
                                   weight_decay=OPT["weight_decay"])
             for step, (xb, yb) in enumerate(batches[c]):
                 opt.zero_grad()
-                if method == "fedavg" or step == 0:
+                if self.method == "fedavg" or step == 0:
                     F.cross_entropy(model(xb), yb).backward()
                 else:
                     z = model.features(xb)
@@ -142,23 +152,31 @@ def plain(setting: dict, model_name: str, method: str, rounds: int, init: dict):
                 opt.step()
                 n_steps += 1
             uploads.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-            sizes.append(len(dm.client_parts[c]))
+            sizes.append(len(self.dm.client_parts[c]))
             in_clients += time.process_time() - client_start
         total = sum(sizes)
         model.load_state_dict({k: sum(u[k] * (n / total) for u, n in zip(uploads, sizes, strict=True))
                                for k in global_w})
-        lr *= 0.99
+        self.lr *= 0.99
         with torch.no_grad():
             for s in range(0, len(test), h.eval_batch_size):
                 logits = model(test.images[s : s + h.eval_batch_size])
                 F.cross_entropy(logits, test.labels[s : s + h.eval_batch_size])
                 (logits.argmax(1) == test.labels[s : s + h.eval_batch_size]).float().mean()
-        times.append(time.process_time() - start)
-        walls.append(time.perf_counter() - wall_start)
+        return time.process_time() - start, time.perf_counter() - wall_start, in_clients, n_steps
+
+
+def plain(setting: dict, model_name: str, method: str, rounds: int, init: dict):
+    """(CPU s per round, CPU s in clients per round, steps per round, final weights) of PlainRounds."""
+    loop = PlainRounds(setting, model_name, method)
+    loop.start(init)
+    times, client_times, steps = [], [], []
+    for r in range(rounds):
+        cpu, _, in_clients, n_steps = loop.run_round(r)
+        times.append(cpu)
         client_times.append(in_clients)
         steps.append(n_steps)
-    plain.walls = walls  # (i) also compares wall time
-    return times, client_times, steps, model.state_dict()
+    return times, client_times, steps, loop.model.state_dict()
 
 
 # (i): the demo setting as a user runs it, with the mlp on an iid partition and batches of 10
@@ -177,11 +195,17 @@ PARTS = {  # where the project's round goes: (class, method) timed as the part i
 
 
 class _UserRunClock:
-    """Patches the classes a CLI run builds, in this process: round starts (CPU and wall), the time
-    in clients (client start to upload) and the time in each of PARTS, per round."""
+    """Patches the classes a CLI run builds, in this process: round starts and ends (CPU and wall),
+    the time in clients (client start to upload) and the time in each of PARTS, per round. Between
+    two of the project's rounds (outside both rounds' clocks) it runs the plain loop's same round,
+    so each pair of rounds meets the same machine: on a shared machine the speed drifts by 20%
+    between runs a minute apart, more than the effects measured."""
 
-    def __init__(self):
+    def __init__(self, plain: PlainRounds):
+        self.plain = plain
         self.starts: list[tuple[float, float]] = []
+        self.ends: list[tuple[float, float]] = []
+        self.plain_rounds: list[tuple[float, float, float, int]] = []  # (CPU, wall, in clients, steps)
         self.parts: list[dict[str, float]] = []
         self.init: dict | None = None
         self.final: dict | None = None
@@ -207,17 +231,25 @@ class _UserRunClock:
 
         setattr(cls, attr, timed)
 
+    def end_round(self) -> None:
+        """The project's round that started last ends now; then the plain loop runs that round."""
+        self.ends.append((time.process_time(), time.perf_counter()))
+        self.plain_rounds.append(self.plain.run_round(len(self.ends) - 1))
+
     def __enter__(self):
         import importlib
 
         from fl_lightning.methods.base import SharedModelMethod
 
         def round_start(callback, trainer, module):
-            self.starts.append((time.process_time(), time.perf_counter()))
-            self.parts.append({})
+            if self.starts:
+                self.end_round()
             if self.init is None:
                 self.init = {k: v.clone() for k, v in module.model.state_dict().items()}
+                self.plain.start(self.init)
             self.final = module.model
+            self.parts.append({})
+            self.starts.append((time.process_time(), time.perf_counter()))
 
         def client_start(callback, trainer, module, batch, batch_idx):
             self._client_started = time.process_time()
@@ -245,8 +277,10 @@ class _UserRunClock:
 
 
 def project_user_run(rounds: int):
-    """(CPU, wall) seconds of each round, start to start, the parts of each round, and the initial
-    and final global weights, of `fl-lightning fit` on USER_RUN with every default left on."""
+    """Of `fl-lightning fit` on USER_RUN with every default left on, each round paired with the
+    plain loop's same round run right after it: the project's (CPU, wall) seconds of each round,
+    start to start (the last one to the CLI's return), the parts of each round, the plain rounds'
+    (CPU, wall, in clients, steps), and both final global weights."""
     import contextlib
     import os
     import tempfile
@@ -254,36 +288,44 @@ def project_user_run(rounds: int):
     from fl_lightning.cli import main as fl_lightning
 
     os.environ.setdefault("WANDB_MODE", "offline")
-    with tempfile.TemporaryDirectory() as run_dir, _UserRunClock() as clock, open(os.devnull, "w") as quiet:
+    plain_loop = PlainRounds(USER_RUN_PLAIN, "mlp", "fedavg")  # built before the run seeds the RNG
+    with tempfile.TemporaryDirectory() as run_dir, _UserRunClock(plain_loop) as clock, \
+            open(os.devnull, "w") as quiet:
         with contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
             fl_lightning(["fit", *USER_RUN, "--trainer.max_epochs", str(rounds), "--trainer.default_root_dir", run_dir])
-        ends = clock.starts[1:] + [(time.process_time(), time.perf_counter())]
+        clock.end_round()
         final = {k: v.clone() for k, v in clock.final.state_dict().items()}
-    cpu = [b[0] - a[0] for a, b in zip(clock.starts, ends, strict=True)]
-    wall = [b[1] - a[1] for a, b in zip(clock.starts, ends, strict=True)]
-    return cpu, wall, clock.parts, clock.init, final
+    cpu = [b[0] - a[0] for a, b in zip(clock.starts, clock.ends, strict=True)]
+    wall = [b[1] - a[1] for a, b in zip(clock.starts, clock.ends, strict=True)]
+    return cpu, wall, clock.parts, clock.plain_rounds, final, plain_loop.model.state_dict()
 
 
 def user_run(rounds: int, repeats: int) -> None:
     med, mean = statistics.median, statistics.mean
     p_cpu, p_wall, q_cpu, q_wall, p_in, q_in, steps, parts, diff = [], [], [], [], [], [], [], [], 0.0
     for _ in range(repeats):
-        cpu, wall, run_parts, init, p_final = project_user_run(rounds)
-        qt, qc, qs, q_final = plain(USER_RUN_PLAIN, "mlp", "fedavg", rounds, init)
+        cpu, wall, run_parts, plain_rounds, p_final, q_final = project_user_run(rounds)
         p_cpu, p_wall, parts = p_cpu + cpu[1:], p_wall + wall[1:], parts + run_parts[1:]
-        q_cpu, q_wall, q_in, steps = q_cpu + qt[1:], q_wall + plain.walls[1:], q_in + qc[1:], steps + qs[1:]
         p_in += [p.get("clients", 0.0) for p in run_parts[1:]]
+        q_cpu += [r[0] for r in plain_rounds[1:]]
+        q_wall += [r[1] for r in plain_rounds[1:]]
+        q_in += [r[2] for r in plain_rounds[1:]]
+        steps += [r[3] for r in plain_rounds[1:]]
         diff = max(diff, max(float((p_final[k] - q_final[k]).abs().max()) for k in p_final))
     n = med(steps)
+
+    def paired(a, b):  # the median of the per-round ratios project / plain (rounds run side by side)
+        return med(x / y for x, y in zip(a, b, strict=True))
+
     print(f"(i)   the user's run (mlp, MNIST-5k iid, 400 local steps a round, every default on), {len(p_cpu)} "
-          f"rounds each side, max|dw| {diff:.1e}")
+          f"rounds each side, each project round followed by the plain loop's, max|dw| {diff:.1e}")
     print(f"      in clients, per local step: project {1e3 * med(p_in) / n:.3f} ms, plain {1e3 * med(q_in) / n:.3f} "
-          f"ms: {med(p_in) / med(q_in):.3f}x (target <= 1.10)")
+          f"ms: paired {paired(p_in, q_in):.3f}x (target <= 1.10)")
     print(f"      whole round, CPU: mean {1e3 * mean(p_cpu):.1f} / {1e3 * mean(q_cpu):.1f} ms = "
-          f"{mean(p_cpu) / mean(q_cpu):.3f}x, median {1e3 * med(p_cpu):.1f} / {1e3 * med(q_cpu):.1f} ms = "
-          f"{med(p_cpu) / med(q_cpu):.3f}x (target <= 1.15)")
+          f"{mean(p_cpu) / mean(q_cpu):.3f}x, median {1e3 * med(p_cpu):.1f} / {1e3 * med(q_cpu):.1f} ms, "
+          f"paired {paired(p_cpu, q_cpu):.3f}x (target <= 1.15)")
     print(f"      whole round, wall: mean {1e3 * mean(p_wall):.1f} / {1e3 * mean(q_wall):.1f} ms = "
-          f"{mean(p_wall) / mean(q_wall):.3f}x, median {med(p_wall) / med(q_wall):.3f}x")
+          f"{mean(p_wall) / mean(q_wall):.3f}x, paired {paired(p_wall, q_wall):.3f}x")
     print("      the project's round (CPU ms, mean over rounds / median):")
     for name in ["clients", *PARTS]:
         values = [p.get(name, 0.0) for p in parts]
@@ -291,6 +333,8 @@ def user_run(rounds: int, repeats: int) -> None:
     other = [c - sum(v for k, v in p.items() if k not in ("round start", "client start (seed, global weights)"))
              for c, p in zip(p_cpu, parts, strict=True)]
     print(f"        {'everything else (Lightning loops, ...)':38s} {1e3 * mean(other):7.2f} / {1e3 * med(other):7.2f}")
+    beyond = [c - q for c, q in zip(p_cpu, q_cpu, strict=True)]
+    print(f"      the project's round beyond the plain one's, paired: median {1e3 * med(beyond):.1f} ms")
 
 
 def compare(setting, model, method, rounds, repeats):
