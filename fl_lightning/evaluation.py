@@ -142,8 +142,8 @@ class Tally:
         self._correct: torch.Tensor | int = 0
         self._loss_total: torch.Tensor | float = 0.0
         self._samples = 0
-        self._class_hits: torch.Tensor | None = None
-        self._class_support: torch.Tensor | None = None
+        self._class_hits: torch.Tensor | int = 0  # per class, once a batch is counted
+        self._class_support: torch.Tensor | int = 0
 
     def update(self, scores: torch.Tensor, y: torch.Tensor) -> None:
         scores = scores.float()
@@ -155,16 +155,15 @@ class Tally:
         self._loss_total = self._loss_total + F.cross_entropy(scores, y, reduction="sum").double()
         self._samples += len(y)
         if self.per_class:
-            if self._class_hits is None:
-                self._class_hits, self._class_support = tp, tp + fn
-            else:
-                self._class_hits, self._class_support = self._class_hits + tp, self._class_support + tp + fn
+            self._class_hits = self._class_hits + tp
+            self._class_support = self._class_support + tp + fn
 
     def result(self) -> EvalResult:
         per_class = None
         if self.per_class:
-            empty = torch.zeros(self.num_classes, dtype=torch.long)
-            per_class = (empty, empty) if self._class_hits is None else (self._class_hits, self._class_support)
+            counted = torch.is_tensor(self._class_hits)
+            none = torch.zeros(self.num_classes, dtype=torch.long)
+            per_class = (self._class_hits, self._class_support) if counted else (none, none)
         return _eval_result(int(self._correct), self._samples, float(self._loss_total), per_class)
 
 
