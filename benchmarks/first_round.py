@@ -9,7 +9,11 @@ it from outside. Interleaved repeats, medians; one thread each.
     python benchmarks/first_round.py [--repeats 3]
 
 Also prints `python -c "import torch"` and `python -c "import lightning.pytorch"`: the difference
-is what any CLI built on Lightning pays before it can parse a single option.
+is what any CLI built on Lightning pays before it can parse a single option. Most of it is
+torchmetrics (`python -c "import torch, torchmetrics"`): Lightning requires it, and `import
+lightning` imports it (lightning/fabric/utilities/imports.py reads its version with
+`compare_version`, which imports the package), and torchmetrics imports its image and audio
+metrics, hence torchvision (torch._dynamo, sympy) and scipy.signal.
 """
 
 from __future__ import annotations
@@ -103,6 +107,8 @@ def main() -> None:
         plan, arrays = round_one_plan(Path(tmp))
         commands = {
             "python -c 'import torch'": ([sys.executable, "-c", "import torch; print('imported')"], "imported"),
+            "python -c 'import torch, torchmetrics'": (
+                [sys.executable, "-c", "import torch, torchmetrics; print('imported')"], "imported"),
             "python -c 'import lightning.pytorch'": (
                 [sys.executable, "-c", "import lightning.pytorch; print('imported')"], "imported"),
             "plain loop, round 1": ([sys.executable, "-c", PLAIN, str(plan), str(arrays)], "round 1"),
@@ -118,9 +124,11 @@ def main() -> None:
         print(f"{name:38s} median {med[name]:6.2f} s  (min {min(t):.2f}, max {max(t):.2f})")
     gap = med["fl-lightning fit, round 1"] - med["plain loop, round 1"]
     floor = med["python -c 'import lightning.pytorch'"] - med["python -c 'import torch'"]
+    metrics = med["python -c 'import torch, torchmetrics'"] - med["python -c 'import torch'"]
     verdict = "met" if gap <= 2 else "NOT met"
     print(f"first round: fl-lightning {gap:+.2f} s after the plain loop (target <= 2 s: {verdict}); importing "
-          f"Lightning alone costs {floor:.2f} s over torch")
+          f"Lightning alone costs {floor:.2f} s over torch, of which torchmetrics {metrics:.2f} s (Lightning "
+          f"requires it and imports it with itself)")
 
 
 if __name__ == "__main__":
