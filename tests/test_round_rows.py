@@ -87,3 +87,36 @@ def test_a_round_renders_its_own_line_and_its_checkpoint_share_stays_per_row(mon
     buffer = io.BytesIO()
     torch.save(table.state(), buffer)
     assert len(buffer.getvalue()) < rounds * 31 * 8 * 1.2  # a float64 and a flag per cell, not a dict
+
+
+def test_the_results_callback_writes_each_round_in_time_that_does_not_grow_with_the_rounds(tmp_path, monkeypatch):
+    """Through the callback, as a run drives it: 300 rounds of 30 metrics. The file after the last
+    round is every round's row, and the rounds rendered 2 CSV lines each (their own and the header;
+    before, every round rendered every earlier row again: 45,451 lines here)."""
+    from types import SimpleNamespace
+
+    from fl_lightning.federation import FederatedCallback, RoundReport
+
+    rendered = 0
+    writerow = csv.DictWriter.writerow
+
+    def counted(self, rowdict):
+        nonlocal rendered
+        rendered += 1
+        return writerow(self, rowdict)
+
+    federation, results, rounds = FederatedCallback(), ResultsCallback(tmp_path), 300
+    trainer = SimpleNamespace(callbacks=[federation, results], is_global_zero=True, loggers=[], sanity_checking=False,
+                              max_epochs=rounds, callback_metrics={})
+    module = SimpleNamespace(accuracy_key="global/test_acc")
+    monkeypatch.setattr(csv.DictWriter, "writerow", counted)
+    for r in range(1, rounds + 1):
+        trainer.callback_metrics = {"global/test_acc": torch.tensor(r / rounds),
+                                    **{f"analysis/metric_{i}": torch.tensor(r + i / 7) for i in range(29)}}
+        federation.round_report = RoundReport(round=r, completed=True)
+        results.on_train_epoch_end(trainer, module)
+    monkeypatch.setattr(csv.DictWriter, "writerow", writerow)
+    written = list(csv.DictReader(io.StringIO((tmp_path / "metrics.csv").read_text())))
+    assert [int(row["round"]) for row in written] == list(range(1, rounds + 1))
+    assert float(written[-1]["analysis/metric_7"]) == torch.tensor(rounds + 1.0).item()
+    assert rendered <= 2 * rounds + 1  # and clients.csv's header
