@@ -101,28 +101,25 @@ class RoundRows:
             kept -= 1
         del self.rows[kept:], self._lines[kept:]
         self.rows.append(row)
+        start = kept
         new = row.keys() - {"round"} - set(self.columns)
-        if new:  # the file gets a new column: every line changes, the matrix gets its column
+        if new:  # the file gets a new column: every line changes, the matrix is filled again
             self.columns = sorted({*self.columns, *new})
             self._lines.clear()
-            self._values = torch.full((max(16, 2 * len(self.rows)), len(self.columns)), math.nan,
-                                      dtype=torch.float64)
-            self._present = torch.zeros(self._values.shape, dtype=torch.bool)
-            self._rounds = torch.zeros(self._values.shape[0], dtype=torch.int64)
-            for i, earlier in enumerate(self.rows):
-                self._set_matrix_row(i, earlier)
-            return
-        if kept == self._values.shape[0]:  # full: twice the room, so rows are copied O(1) times each
-            more = (max(16, kept), len(self.columns))
-            self._values = torch.cat([self._values, torch.full(more, math.nan, dtype=torch.float64)])
-            self._present = torch.cat([self._present, torch.zeros(more, dtype=torch.bool)])
-            self._rounds = torch.cat([self._rounds, torch.zeros(more[0], dtype=torch.int64)])
-        self._set_matrix_row(kept, row)
-
-    def _set_matrix_row(self, i: int, row: dict[str, float]) -> None:
-        self._rounds[i] = row["round"]
-        self._values[i] = torch.tensor([row.get(c, math.nan) for c in self.columns], dtype=torch.float64)
-        self._present[i] = torch.tensor([c in row for c in self.columns], dtype=torch.bool)
+            self._values = torch.empty(0, len(self.columns), dtype=torch.float64)
+            self._present = torch.empty(0, len(self.columns), dtype=torch.bool)
+            self._rounds = torch.empty(0, dtype=torch.int64)
+            start = 0
+        for i in range(start, len(self.rows)):
+            if i == len(self._rounds):  # full: twice the room, so rows are copied O(1) times each
+                more = (max(16, i), len(self.columns))
+                self._values = torch.cat([self._values, torch.full(more, math.nan, dtype=torch.float64)])
+                self._present = torch.cat([self._present, torch.zeros(more, dtype=torch.bool)])
+                self._rounds = torch.cat([self._rounds, torch.zeros(more[0], dtype=torch.int64)])
+            filled = self.rows[i]
+            self._rounds[i] = filled["round"]
+            self._values[i] = torch.tensor([filled.get(c, math.nan) for c in self.columns], dtype=torch.float64)
+            self._present[i] = torch.tensor([c in filled for c in self.columns], dtype=torch.bool)
 
     def csv_text(self) -> str:
         columns = ["round", *self.columns]
@@ -138,8 +135,8 @@ class RoundRows:
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> RoundRows:
         """What `state` saved; also the list of dicts that earlier versions saved (`rows`)."""
-        if "rows" in state:
-            return cls(state["rows"])
+        if "rounds" not in state:
+            return cls(state.get("rows", []))
         columns = state["columns"]
         rows = [{"round": rnd, **{c: v for c, v, here in zip(columns, values, present, strict=True) if here}}
                 for rnd, values, present in zip(state["rounds"].tolist(), state["values"].tolist(),
@@ -294,6 +291,5 @@ class ResultsCallback(L.Callback):
         return {**self.table.state(), "wall_time_s": self.wall_time()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.table = RoundRows.from_state(state_dict) if "rows" in state_dict or "rounds" in state_dict \
-            else RoundRows()
+        self.table = RoundRows.from_state(state_dict)
         self._elapsed_before = float(state_dict.get("wall_time_s", 0.0))

@@ -9,9 +9,24 @@ import io
 import math
 import random
 
+import pytest
 import torch
 
 from fl_lightning.results import ResultsCallback, RoundRows, _csv_text
+
+
+@pytest.fixture
+def rendered_lines(monkeypatch) -> list[int]:
+    """[how many CSV lines (header or row) csv.DictWriter has rendered since the test began]."""
+    rendered = [0]
+    writerow = csv.DictWriter.writerow
+
+    def counted(self, rowdict):
+        rendered[0] += 1
+        return writerow(self, rowdict)
+
+    monkeypatch.setattr(csv.DictWriter, "writerow", counted)
+    return rendered
 
 
 def _rows_of_a_long_run():
@@ -67,29 +82,21 @@ def test_a_checkpoint_of_the_earlier_format_still_resumes():
     assert results.wall_time() >= 3.0
 
 
-def test_a_round_renders_its_own_line_and_its_checkpoint_share_stays_per_row(monkeypatch):
+def test_a_round_renders_its_own_line_and_its_checkpoint_share_stays_per_row(rendered_lines):
     """At round 400 of a 30-column run, rendering every row again cost 22 ms a round, and pickling
     rows as dicts into each round checkpoint 14 ms more: both grew with the round number."""
-    rendered = 0
-    writerow = csv.DictWriter.writerow
-
-    def counted(self, rowdict):
-        nonlocal rendered
-        rendered += 1
-        return writerow(self, rowdict)
-
-    monkeypatch.setattr(csv.DictWriter, "writerow", counted)
     table, columns, rounds = RoundRows(), [f"analysis/metric_{i}" for i in range(30)], 1000
     for r in range(1, rounds + 1):
         table.put({"round": r, **{c: r + i / 7 for i, c in enumerate(columns)}})
         table.csv_text()
-    assert rendered == 2 * rounds  # the round's line and the header, each round (not 500,500 lines)
+    assert rendered_lines[0] == 2 * rounds  # the round's line and the header, each round (not 500,500 lines)
     buffer = io.BytesIO()
     torch.save(table.state(), buffer)
     assert len(buffer.getvalue()) < rounds * 31 * 8 * 1.2  # a float64 and a flag per cell, not a dict
 
 
-def test_the_results_callback_writes_each_round_in_time_that_does_not_grow_with_the_rounds(tmp_path, monkeypatch):
+def test_the_results_callback_writes_each_round_in_time_that_does_not_grow_with_the_rounds(tmp_path,
+                                                                                          rendered_lines):
     """Through the callback, as a run drives it: 300 rounds of 30 metrics. The file after the last
     round is every round's row, and the rounds rendered 2 CSV lines each (their own and the header;
     before, every round rendered every earlier row again: 45,451 lines here)."""
@@ -97,25 +104,16 @@ def test_the_results_callback_writes_each_round_in_time_that_does_not_grow_with_
 
     from fl_lightning.federation import FederatedCallback, RoundReport
 
-    rendered = 0
-    writerow = csv.DictWriter.writerow
-
-    def counted(self, rowdict):
-        nonlocal rendered
-        rendered += 1
-        return writerow(self, rowdict)
-
     federation, results, rounds = FederatedCallback(), ResultsCallback(tmp_path), 300
     trainer = SimpleNamespace(callbacks=[federation, results], is_global_zero=True, loggers=[], sanity_checking=False,
                               max_epochs=rounds, callback_metrics={})
     module = SimpleNamespace(accuracy_key="global/test_acc")
-    monkeypatch.setattr(csv.DictWriter, "writerow", counted)
     for r in range(1, rounds + 1):
         trainer.callback_metrics = {"global/test_acc": torch.tensor(r / rounds),
                                     **{f"analysis/metric_{i}": torch.tensor(r + i / 7) for i in range(29)}}
         federation.round_report = RoundReport(round=r, completed=True)
         results.on_train_epoch_end(trainer, module)
-    monkeypatch.setattr(csv.DictWriter, "writerow", writerow)
+    rendered = rendered_lines[0]
     written = list(csv.DictReader(io.StringIO((tmp_path / "metrics.csv").read_text())))
     assert [int(row["round"]) for row in written] == list(range(1, rounds + 1))
     assert float(written[-1]["analysis/metric_7"]) == torch.tensor(rounds + 1.0).item()
