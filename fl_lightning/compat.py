@@ -175,6 +175,33 @@ def skip_unstaged_wandb_launch_inputs() -> None:
     Run._detect_and_apply_job_inputs = apply_if_staged
 
 
+WANDB_SERVICE_POLL_S = 0.01
+
+
+def poll_wandb_service_often() -> None:
+    """`wandb.init` starts W&B's service process and waits for the file it writes its address to,
+    looking once, then every 0.2 s (`service_port_file._SLEEP`, a module global W&B itself
+    replaces in its tests): the service is ready ~30 ms after it starts, so every run's start waited
+    0.2 s for nothing. Looking every 10 ms instead (a file check each time: nothing to measure)
+    takes that wait off every run, and W&B's timeout and its error when the service dies are
+    unchanged."""
+    import time
+
+    from wandb.sdk.lib.service import service_port_file
+
+    sleep = getattr(service_port_file, "_SLEEP", None)
+    if sleep is None:
+        raise RuntimeError("W&B's service_port_file has no _SLEEP any more: update fl_lightning/compat.py")
+    if getattr(sleep, "_fl_lightning_polls_often", False):
+        return
+
+    def sleep_briefly(seconds: float) -> None:
+        time.sleep(min(seconds, WANDB_SERVICE_POLL_S))
+
+    sleep_briefly._fl_lightning_polls_often = True
+    service_port_file._SLEEP = sleep_briefly
+
+
 def list_installed_packages_once() -> None:
     """`wandb.init` records the installed packages (the run's requirements.txt) by reading the
     metadata of every installed distribution (`wandb.util.working_set`, called at each run's

@@ -102,6 +102,16 @@ class FLCLI(LightningCLI):
         super().__init__(*args, **kwargs)
 
     SUBCOMMANDS = ("fit", "validate", "test", "analyze")
+    # subcommand -> what `setup_parser` builds, built before this process started (a sweep worker
+    # builds fit's before forking its runs: `prebuild_parser`); taken by the first CLI of the process
+    prebuilt: dict[str, tuple] = {}
+
+    def setup_parser(self, add_subcommands: bool, main_kwargs: dict, subparser_kwargs: dict) -> None:
+        built = FLCLI.prebuilt.pop(self._invoked, None) if add_subcommands else None
+        if built is None:
+            super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
+        else:
+            self.parser, self._subcommand_method_arguments, self._subcommand_parsers = built
 
     def subcommands(self) -> dict[str, set[str]]:
         """fit, validate, test and analyze (FLTrainer.analyze: the --analysis.* analyses of a
@@ -587,19 +597,30 @@ class _ParserOnlyCLI:
     """Mixed into FLCLI by `build_parser`: stops construction as soon as the parser exists."""
 
     def parse_arguments(self, parser, args) -> None:
-        raise _ParserBuilt(parser)
+        raise _ParserBuilt(parser, self._subcommand_method_arguments, self._subcommand_parsers)
+
+
+def _build_parser_parts() -> tuple:
+    cli_class = type("FLCLIParser", (_ParserOnlyCLI, FLCLI), {})
+    try:
+        build_cli(["fit"], cli_class=cli_class)
+    except _ParserBuilt as built:
+        return built.args
+    raise RuntimeError("the CLI did not reach argument parsing")
 
 
 def build_parser():
     """The CLI's own argument parser of `fit` (every option, as `fl-lightning fit` parses them),
     without parsing anything or building a Trainer: for checking commands before they run
     (`fl-lightning sweep` parses every command of a sweep, each a fit, with it)."""
-    cli_class = type("FLCLIParser", (_ParserOnlyCLI, FLCLI), {})
-    try:
-        build_cli(["fit"], cli_class=cli_class)
-    except _ParserBuilt as built:
-        return built.args[0]
-    raise RuntimeError("the CLI did not reach argument parsing")
+    return _build_parser_parts()[0]
+
+
+def prebuild_parser() -> None:
+    """Builds the parser of `fit` now, for the next `fit` of this process (and of the processes
+    forked from it): a sweep worker calls it before forking its runs, which then do not build it
+    (~0.1 s each). A parser built once and parsing once is what each run would have built."""
+    FLCLI.prebuilt["fit"] = _build_parser_parts()
 
 
 def build_cli(args: list[str] | None, run: bool = True, cli_class: type[FLCLI] | None = None) -> FLCLI:

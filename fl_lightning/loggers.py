@@ -58,6 +58,7 @@ class FLWandbLogger(WandbLogger):
             import wandb
 
             compat.skip_unstaged_wandb_launch_inputs()
+            compat.poll_wandb_service_often()
             Path(self.save_dir).mkdir(parents=True, exist_ok=True)
             if compat.wandb_offline(self):
                 os.environ["WANDB_MODE"] = "offline"

@@ -465,10 +465,13 @@ def worker_envs(workers: int, gpus: list[str] | None, cores: int) -> list[dict[s
     return envs
 
 
-def warm_workers(spec: Spec, envs: list[dict[str, str]]) -> list[WarmWorker]:
+def warm_workers(spec: Spec, envs: list[dict[str, str]], root: Path) -> list[WarmWorker]:
     """One warm worker per environment, started now: each imports for several seconds in a process
-    of its own, while this one parses every command (which imports the CLI too)."""
-    common = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_RUN_GROUP": spec.name}
+    of its own, while this one parses every command (which imports the CLI too). Its runs leave the
+    pictures other runs draw the same (the partition) in `.sweep/pictures/`."""
+    from fl_lightning.analysis.plots import SHARED_PICTURES_ENV  # matplotlib: only once runs start
+    common = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_RUN_GROUP": spec.name,
+              SHARED_PICTURES_ENV: str((root / spec.name / ".sweep" / "pictures").absolute())}
     workers = [WarmWorker({**common, **env}) for env in envs]
     for worker in workers:
         worker.launch()
@@ -719,7 +722,8 @@ def main(argv: list[str]) -> int:
     if opts.dry_run:
         LocalSweep(spec, plan(spec, Path(opts.root), seed=opts.seed, count=opts.count), Path(opts.root), []).dry_run()
         return 0
-    warm = warm_workers(spec, worker_envs(workers, gpus, cores))  # they import while the commands are parsed
+    # the workers import while the commands are parsed
+    warm = warm_workers(spec, worker_envs(workers, gpus, cores), Path(opts.root))
     try:
         runs = plan(spec, Path(opts.root), seed=opts.seed, count=opts.count)
     except BaseException:

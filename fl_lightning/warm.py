@@ -2,9 +2,9 @@
 torch, the methods: several seconds) and forks one child per run.
 
 Each run is still a process of its own, exactly as `fl-lightning fit ...` started from a shell:
-the child forks from a parent that has only imported modules (no tensor op, no thread, no seed
-drawn), takes the run's arguments as its command line and runs the CLI's `main`, writing to the
-run's log; its exit code is the run's. So a run's numbers are those of the same command started on
+the child forks from a parent that has only imported modules and built `fit`'s parser (no tensor
+op, no thread, no seed drawn), takes the run's arguments as its command line and runs the CLI's
+`main`, writing to the run's log; its exit code is the run's. So a run's numbers are those of the same command started on
 its own (tests/test_sweep.py checks bit identity), and a crash or kill of one run ends that child
 only. A DDP run's further ranks are launched by Lightning as `python -m fl_lightning.cli <args>`,
 as for any run, because the worker itself is started as `python -m fl_lightning.cli _warm_worker`.
@@ -47,6 +47,7 @@ def serve() -> None:
             importlib.import_module(name)
     with contextlib.suppress(ImportError):
         compat.list_installed_packages_once()  # W&B's package list, read here once for all runs
+    cli.prebuild_parser()  # each forked run parses its own command with a copy of it
 
     # Ctrl-C reaches the whole foreground group: the runs handle it (clean stop, checkpoint kept);
     # the idle worker must outlive it so the sweep can collect their exit codes.

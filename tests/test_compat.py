@@ -251,3 +251,32 @@ def test_a_sweep_workers_package_list_is_read_once_and_is_what_wandb_records(tmp
     assert done.returncode == 0, done.stderr[-2000:]
     assert "metadata read at init: 0" in done.stdout
     assert "requirements as read before: True" in done.stdout
+
+
+def test_wandb_looks_for_its_started_service_every_10_ms_not_every_200(tmp_path, monkeypatch):
+    """W&B's start waits for its service's address file; the service writes it ~30 ms after it
+    starts, and W&B looked only every 0.2 s. Same search, same answer, shorter waits."""
+    import time
+
+    from wandb.sdk.lib.service import service_port_file
+
+    monkeypatch.setattr(service_port_file, "_SLEEP", service_port_file._SLEEP)  # W&B's own, back after
+    compat.poll_wandb_service_often()
+    compat.poll_wandb_service_often()  # twice: still one replacement
+    address = tmp_path / "port"
+    waits = []
+
+    def sleep(seconds):
+        waits.append(seconds)
+        if len(waits) == 3:  # the service is up after the third wait
+            address.write_text("sock=41234\nEOF\n")
+
+    monkeypatch.setattr(time, "sleep", sleep)
+
+    class Running:
+        def poll(self):
+            return None
+
+    token = service_port_file.poll_for_token(address, Running(), timeout=30)
+    assert waits == [compat.WANDB_SERVICE_POLL_S] * 3 == [0.01] * 3
+    assert type(token).__name__ == "TCPServiceToken" and token._port == 41234  # what the file said

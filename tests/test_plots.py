@@ -117,3 +117,67 @@ def test_slices_have_axis_labels_and_name_their_directions():
     assert (ax.get_xlabel(), ax.get_ylabel()) == ("step along the direction", "training-subset loss")
     assert [t.get_text() for t in ax.get_legend().get_texts()] == ["top-1 Hessian eigenvector",
                                                                     "top-2 Hessian eigenvector"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pictures shared by the runs of a sweep (plots.shared_image)
+
+PARTITION = np.arange(30.0).reshape(6, 5)
+
+
+def shared_partition(matrix=PARTITION, title="partition"):
+    return plots.shared_image(plots.heatmap_image, matrix, title, "class", "client id",
+                              quantity="training samples", row_labels=range(len(matrix)))
+
+
+@pytest.fixture
+def drawings(monkeypatch):
+    """How many heatmaps were drawn."""
+    drawn = []
+    figure = plots.heatmap_figure
+    monkeypatch.setattr(plots, "heatmap_figure", lambda *a, **k: drawn.append(1) or figure(*a, **k))
+    return drawn
+
+
+def test_a_shared_picture_is_drawn_once_and_read_back_the_same(tmp_path, monkeypatch, drawings):
+    monkeypatch.delenv(plots.SHARED_PICTURES_ENV, raising=False)
+    fresh = shared_partition()  # no folder named: drawn, nothing written
+    assert len(drawings) == 1
+    monkeypatch.setenv(plots.SHARED_PICTURES_ENV, str(tmp_path / "pictures"))
+    first = shared_partition()
+    assert len(drawings) == 2 and len(list((tmp_path / "pictures").glob("*.png"))) == 1
+    again = shared_partition()
+    assert len(drawings) == 2  # read, not drawn
+    assert again.dtype == np.uint8 and np.array_equal(again, fresh) and np.array_equal(first, fresh)
+    # a cell or a title of difference is another picture
+    other = PARTITION.copy()
+    other[2, 3] += 1
+    assert not np.array_equal(shared_partition(other), fresh)
+    shared_partition(title="another title")
+    assert len(drawings) == 4 and len(list((tmp_path / "pictures").glob("*.png"))) == 3
+
+
+def test_a_damaged_swapped_or_foreign_shared_picture_is_drawn_again(tmp_path, monkeypatch, drawings):
+    monkeypatch.setenv(plots.SHARED_PICTURES_ENV, str(tmp_path))
+    right = shared_partition()
+    (path,) = tmp_path.glob("*.png")
+    other = PARTITION[::-1].copy()
+    shared_partition(other)
+    other_path = next(p for p in tmp_path.glob("*.png") if p != path)
+
+    path.write_bytes(path.read_bytes()[:500])  # cut short by a full disk or a kill
+    before = len(drawings)
+    assert np.array_equal(shared_partition(), right) and len(drawings) == before + 1
+    assert np.array_equal(shared_partition(), right) and len(drawings) == before + 1  # repaired
+
+    path.write_bytes(other_path.read_bytes())  # another picture under this one's name
+    assert np.array_equal(shared_partition(), right) and len(drawings) == before + 2
+
+    plots.save_png(right, path)  # the right pixels, but not written by shared_image: not trusted
+    assert np.array_equal(shared_partition(), right) and len(drawings) == before + 3
+    assert np.array_equal(shared_partition(), right) and len(drawings) == before + 3
+
+    blocked = tmp_path / "a_file"
+    blocked.write_text("")
+    monkeypatch.setenv(plots.SHARED_PICTURES_ENV, str(blocked / "pictures"))  # cannot be written
+    assert np.array_equal(shared_partition(), right)

@@ -332,6 +332,11 @@ def test_killed_sweep_restarts_skipping_finished_runs_and_resuming_the_others(tm
     rows_resumed, rows_straight = read_metrics(long_ / "metrics.csv"), read_metrics(straight / "metrics.csv")
     assert [r["round"] for r in rows_resumed] == list(range(1, 9))
     assert reproducible_rows(rows_resumed) == reproducible_rows(rows_straight)
+    # The four runs share their partition: its picture was drawn once for the sweep, and each run
+    # has it byte for byte as the run started on its own (no shared folder) drew it.
+    assert len(list((sweep_dir / ".sweep" / "pictures").glob("*.png"))) == 1
+    drawn = (straight / "analysis" / "partition.png").read_bytes()
+    assert all((sweep_dir / name / "analysis" / "partition.png").read_bytes() == drawn for name in names)
 
     # The report over the sweep: two rows (1 and 8 rounds), two seeds each.
     code, table, _ = run_cli(["report", str(sweep_dir)])
@@ -401,3 +406,39 @@ def test_a_damaged_record_is_read_as_absent_fields_and_the_sweep_rewrites_it(tmp
     assert record["attempts"] == 1 and record["index"] == 0
     path.write_text("{truncated")
     assert sweep.read_record(path) is None
+
+
+def test_a_parser_built_before_the_run_serves_one_run_and_parses_as_one_built_for_it(tmp_path, monkeypatch):
+    # A warm worker builds fit's parser once, before it forks its runs (lightning_cli.prebuild_parser).
+    from fl_lightning import lightning_cli
+
+    monkeypatch.setattr(lightning_cli.FLCLI, "prebuilt", {})
+    built = []
+    init_parser = lightning_cli.FLCLI.init_parser
+    monkeypatch.setattr(lightning_cli.FLCLI, "init_parser", lambda self, **k: built.append(1) or init_parser(self, **k))
+    lightning_cli.prebuild_parser()
+    built.clear()
+    fit = ["fit", *TINY, "--trainer.max_epochs=1"]
+
+    def run_in_process(args):
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            try:
+                main(args)
+            except SystemExit as stop:
+                return stop.code, err.getvalue()
+        return 0, err.getvalue()
+
+    assert run_in_process([*fit, f"--trainer.default_root_dir={tmp_path / 'prebuilt'}"])[0] == 0
+    assert built == []  # parsed with the parser built before
+    assert run_in_process([*fit, f"--trainer.default_root_dir={tmp_path / 'own'}"])[0] == 0
+    assert built  # the next run of the process builds its own
+    prebuilt, own = ((tmp_path / d / "config.yaml").read_text().replace(str(tmp_path / d), "<run>")
+                     for d in ("prebuilt", "own"))
+    assert prebuilt == own
+    # a mistake in the command is the same one line either way
+    lightning_cli.prebuild_parser()
+    typo = [*fit, "--data.num_clientz=3", f"--trainer.default_root_dir={tmp_path / 'typo'}"]
+    code, err_prebuilt = run_in_process(typo)
+    assert code == 2 and "num_clientz" in err_prebuilt and not lightning_cli.FLCLI.prebuilt
+    assert run_in_process(typo) == (2, err_prebuilt)

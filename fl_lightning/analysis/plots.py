@@ -6,8 +6,10 @@ user's own figures (figures are built from `Figure` directly, never through `pyp
 
 from __future__ import annotations
 
+import hashlib
 import io
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -171,11 +173,78 @@ def spectrum_history_figure(rounds: Sequence[int], lambda_1: Sequence[float], ra
     return fig
 
 
-def save_png(image: np.ndarray, path: Path) -> None:
-    """The image as a PNG file, written atomically (encoded in memory, then atomic_write_bytes): a
-    process killed or a disk filled mid-write leaves the old file or none, never half a picture."""
+# A folder where runs leave the pictures they drew for other runs drawing the same one (a sweep's
+# runs share their partition picture: `fl-lightning sweep --local` sets it to `.sweep/pictures/`).
+SHARED_PICTURES_ENV = "FL_LIGHTNING_SHARED_PICTURES"
+_PICTURE_KEY_FIELD = "fl-lightning-picture"
+
+
+def shared_image(draw: Callable[..., np.ndarray], *args, **kwargs) -> np.ndarray:
+    """`draw(*args, **kwargs)`, or the same picture as an earlier run drew it, read from the folder
+    SHARED_PICTURES_ENV names (when it names one). The file is found by a digest of the drawing
+    function, its arguments (arrays by value) and the code of this module and of matplotlib, and
+    carries that digest inside: a damaged file, or one of another picture under this name, is drawn
+    again and replaced. The pixels are the same either way (PNG is lossless, drawing deterministic)."""
+    folder = os.environ.get(SHARED_PICTURES_ENV)
+    if not folder:
+        return draw(*args, **kwargs)
+    key = _picture_key(draw, args, kwargs)
+    path = Path(folder) / f"{key}.png"
+    image = _read_picture(path, key)
+    if image is None:
+        image = draw(*args, **kwargs)
+        try:
+            save_png(image, path, text={_PICTURE_KEY_FIELD: key})
+        except OSError:
+            pass  # a folder that cannot be written costs the next run the drawing, nothing else
+    return image
+
+
+def _picture_key(draw: Callable, args: tuple, kwargs: dict) -> str:
+    import matplotlib
+
+    digest = hashlib.sha256()
+    digest.update(f"{draw.__module__}.{draw.__qualname__} matplotlib {matplotlib.__version__}\n".encode())
+    digest.update(Path(__file__).read_bytes())
+    _digest_value(digest, (args, sorted(kwargs.items())))
+    return digest.hexdigest()
+
+
+def _digest_value(digest, value) -> None:
+    if isinstance(value, np.ndarray):
+        digest.update(f"array {value.dtype} {value.shape}\n".encode())
+        digest.update(np.ascontiguousarray(value).tobytes())
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"{type(value).__name__} of {len(value)}\n".encode())
+        for part in value:
+            _digest_value(digest, part)
+    else:
+        digest.update(f"{value!r}\n".encode())
+
+
+def _read_picture(path: Path, key: str) -> np.ndarray | None:
     from PIL import Image
 
+    try:
+        with Image.open(path) as picture:
+            if picture.text.get(_PICTURE_KEY_FIELD) != key or picture.mode != "RGB":
+                return None
+            return np.asarray(picture.convert("RGB"), dtype=np.uint8).copy()
+    except (OSError, ValueError, SyntaxError):  # absent, truncated or not a PNG (PIL's errors)
+        return None
+
+
+def save_png(image: np.ndarray, path: Path, text: dict[str, str] | None = None) -> None:
+    """The image as a PNG file, written atomically (encoded in memory, then atomic_write_bytes): a
+    process killed or a disk filled mid-write leaves the old file or none, never half a picture.
+    `text`: tEXt fields stored with it."""
+    from PIL import Image, PngImagePlugin
+
+    info = None
+    if text:
+        info = PngImagePlugin.PngInfo()
+        for name, value in text.items():
+            info.add_text(name, value)
     encoded = io.BytesIO()
-    Image.fromarray(image).save(encoded, format="png")
+    Image.fromarray(image).save(encoded, format="png", pnginfo=info)
     atomic_write_bytes(path, encoded.getvalue())
