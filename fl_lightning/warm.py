@@ -4,10 +4,11 @@ torch, the methods: several seconds) and forks one child per run.
 Each run is still a process of its own, exactly as `fl-lightning fit ...` started from a shell:
 the child forks from a parent that has only imported modules and built `fit`'s parser (no tensor
 op, no thread, no seed drawn), takes the run's arguments as its command line and runs the CLI's
-`main`, writing to the run's log; its exit code is the run's. So a run's numbers are those of the same command started on
-its own (tests/test_sweep.py checks bit identity), and a crash or kill of one run ends that child
-only. A DDP run's further ranks are launched by Lightning as `python -m fl_lightning.cli <args>`,
-as for any run, because the worker itself is started as `python -m fl_lightning.cli _warm_worker`.
+`main`, writing to the run's log; its exit code is the run's. So a run's numbers are those of the
+same command started on its own (tests/test_sweep.py checks bit identity), and a crash or kill of
+one run ends that child only. A DDP run's further ranks are launched by Lightning as
+`python -m fl_lightning.cli <args>`, as for any run, because the worker itself is started as
+`python -m fl_lightning.cli _warm_worker`.
 
 Protocol, one JSON object per line: the sweep writes {"args": [...], "log": path}; the worker
 answers {"pid": child pid} when the run starts and {"exit": code} when it ends (a negative code is
