@@ -393,7 +393,7 @@ class AnalysisCallback(L.Callback):
     def log_partition(self, trainer) -> None:
         dm = trainer.datamodule
         counts = partition_counts(dm.train_set.labels, dm.client_parts, dm.spec.num_classes)
-        # the same partition in every run of a sweep (its seeds, its methods): drawn once (~0.3 s)
+        # the same picture in a sweep's runs of one method and partition (its seeds): drawn once (~0.3 s)
         image = plots.shared_image(plots.heatmap_image, counts,
                                    f"{_what(trainer, None)}: training samples per client and class", "class",
                                    "client id", quantity="training samples", row_labels=range(len(counts)))

@@ -229,7 +229,7 @@ def _read_picture(path: Path, key: str) -> np.ndarray | None:
         with Image.open(path) as picture:
             if picture.text.get(_PICTURE_KEY_FIELD) != key or picture.mode != "RGB":
                 return None
-            return np.asarray(picture.convert("RGB"), dtype=np.uint8).copy()
+            return np.asarray(picture, dtype=np.uint8).copy()
     except (OSError, ValueError, SyntaxError):  # absent, truncated or not a PNG (PIL's errors)
         return None
 
