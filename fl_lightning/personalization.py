@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from fl_lightning import compat
 from fl_lightning.errors import FLUserError
 from fl_lightning.evaluation import as_model_input, evaluate, model_dtype
 from fl_lightning.methods.base import LossContext
@@ -164,9 +165,9 @@ class PersonalizationCallback(L.Callback):
                         loss = pl_module.loss(model, (x, y), LossContext(teacher, counts, finetuning=True))
                     else:
                         loss = torch.nn.functional.cross_entropy(model(x), y)
-                    opt.zero_grad(set_to_none=True)
+                    compat.release_gradients(opt)
                     loss.backward()
-                    opt.step()
+                    compat.step_optimizer(opt)
                 epoch += 1
             accs.append(self.accuracy(model, test, pl_module))
         return accs

@@ -280,3 +280,69 @@ def test_wandb_looks_for_its_started_service_every_10_ms_not_every_200(tmp_path,
     token = service_port_file.poll_for_token(address, Running(), timeout=30)
     assert waits == [compat.WANDB_SERVICE_POLL_S] * 3 == [0.01] * 3
     assert type(token).__name__ == "TCPServiceToken" and token._port == 41234  # what the file said
+
+
+def _sgd_run(step, release, hook=None):
+    """Three momentum + weight-decay SGD steps on a fixed problem, through `step`/`release`, with
+    an optional step pre-hook; the final weights, and whether an LR scheduler saw a step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-2)
+    sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.5)
+    if hook is not None:
+        opt.register_step_pre_hook(hook)
+    x, y = torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1])
+    for _ in range(3):
+        release(opt)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        step(opt)
+    assert all(p.grad is not None for p in model.parameters())
+    release(opt)
+    assert all(p.grad is None for p in model.parameters())
+    return [p.detach().clone() for p in model.parameters()], getattr(opt, "_opt_called", False), sched
+
+
+def test_steps_without_torchs_profiler_annotation_are_torchs_steps(recwarn):
+    """`compat.step_optimizer` / `release_gradients` are `opt.step()` / `opt.zero_grad()` bit for
+    bit (momentum and weight decay over 3 steps), tell the LR scheduler a step was taken (no
+    'lr_scheduler.step() before optimizer.step()' warning), and still run a registered step hook."""
+    reference, called, sched = _sgd_run(lambda o: o.step(), lambda o: o.zero_grad(set_to_none=True))
+    fast, fast_called, fast_sched = _sgd_run(compat.step_optimizer, compat.release_gradients)
+    assert called and fast_called
+    assert all(torch.equal(a, b) for a, b in zip(reference, fast, strict=True))
+    fast_sched.step()
+    assert not [w for w in recwarn if "optimizer.step()" in str(w.message)]
+    calls = []
+    hooked, _, _ = _sgd_run(compat.step_optimizer, compat.release_gradients, hook=lambda *a: calls.append(1))
+    assert len(calls) == 3 and all(torch.equal(a, b) for a, b in zip(reference, hooked, strict=True))
+    # the internals relied on: the class's step is torch's profiling wrapper around SGD.step
+    assert torch.optim.SGD.step.hooked and torch.optim.SGD.step.__wrapped__.__name__ == "step"
+
+
+def _annotations(monkeypatch) -> list[str]:
+    entered: list[str] = []
+    enter = torch.autograd.profiler.record_function.__enter__
+
+    def counting_enter(self):
+        entered.append(self.name)
+        return enter(self)
+
+    monkeypatch.setattr(torch.autograd.profiler.record_function, "__enter__", counting_enter)
+    return entered
+
+
+def test_a_fits_local_steps_pay_no_profiler_annotation_unless_a_profiler_records(monkeypatch):
+    """torch annotates every `zero_grad` and `step` with `record_function` (two operator dispatches,
+    ~30 us of a ~0.5 ms small-model step); a fit's direct local steps skip them, and keep them
+    while a torch profiler records (its trace still names every step)."""
+    entered = _annotations(monkeypatch)
+    x, y = toy_data(n=12)
+    dm = one_client_module(x, y, batch_size=4)
+    fit(FedAvg(model="mlp", data_spec=dm.spec), dm, rounds=1)
+    assert not [name for name in entered if name.startswith("Optimizer.")]
+
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        compat.release_gradients(opt)
+        compat.step_optimizer(opt)
+    assert "Optimizer.zero_grad#SGD.zero_grad" in entered and "Optimizer.step#SGD.step" in entered

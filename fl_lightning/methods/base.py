@@ -434,11 +434,13 @@ class FederatedMethod(L.LightningModule):
             # one device, 32-bit, no per-step hook anyone listens to: Lightning's backward and step
             # wrappers would only dispatch empty hooks (and this module's on_before_optimizer_step,
             # called here instead); Lightning's step counter learns of these steps at the client's end
+            # (torch's profiler annotations of zero_grad and step, which cost a small model a
+            # tenth of its step, are left out unless a profiler records: compat.py)
             opt = self._local_optimizer
-            opt.zero_grad(set_to_none=True)
+            compat.release_gradients(opt)
             loss.backward()
             self.on_before_optimizer_step(opt)
-            opt.step()
+            compat.step_optimizer(opt)
             steps.direct += 1
         else:  # precision plugins (autocast, loss scaling), DDP and per-step callback hooks
             opt = self.optimizers()

@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fl_lightning import compat
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import LossContext
 from fl_lightning.methods.hetero.lgfedavg_fedgh import HEAD_PREFIX, LGFedAvg
@@ -201,9 +202,9 @@ class FedGen(LGFedAvg):
                 loss = F.cross_entropy(ensemble_logits(feats, labels, heads, weights), labels)
                 if h.diversity_weight > 0:
                     loss = loss + h.diversity_weight * diversity_loss(noise, feats)
-                opt.zero_grad(set_to_none=True)
+                compat.release_gradients(opt)
                 loss.backward()
-                opt.step()
+                compat.step_optimizer(opt)
         generator.eval()
         return generator.state_dict(), float(loss.detach())
 

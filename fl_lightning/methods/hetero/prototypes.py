@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fl_lightning import compat
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import LossContext, abstract_base
 from fl_lightning.methods.hetero.base import HeteroMethod
@@ -150,9 +151,9 @@ def train_on_pairs(
             for start in range(0, len(order), batch_size):
                 idx = order[start : start + batch_size]
                 loss = loss_fn(module, protos[idx], labels[idx])
-                opt.zero_grad(set_to_none=True)
+                compat.release_gradients(opt)
                 loss.backward()
-                opt.step()
+                compat.step_optimizer(opt)
                 last = float(loss.detach())
     return last
 

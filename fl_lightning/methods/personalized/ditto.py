@@ -44,7 +44,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from fl_lightning import loss_scaling
+from fl_lightning import compat, loss_scaling
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import SharedModelMethod
 from fl_lightning.models import FLModel
@@ -99,7 +99,7 @@ class Ditto(SharedModelMethod):
         loss = self.personal_loss(batch)
         opt = self._personal_opt
         scaler = loss_scaling.scaler_of(self._trainer)
-        opt.zero_grad(set_to_none=True)
+        compat.release_gradients(opt)
         (loss if scaler is None else scaler.scale(loss)).backward()
         params = [p for p in self.personal_track.parameters() if p.grad is not None]
         # averaged before unscaling: every process then finds the same inf/NaN and skips together
@@ -107,7 +107,7 @@ class Ditto(SharedModelMethod):
             p.grad = g
         if scaler is None:
             self.clip_local_gradients(opt)  # --trainer.gradient_clip_val, as on the global track
-            opt.step()
+            compat.step_optimizer(opt)
         else:
             scaler.unscale_(opt)
             self.clip_local_gradients(opt)

@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from fl_lightning import loss_scaling
+from fl_lightning import compat, loss_scaling
 from fl_lightning.errors import FLUserError
 from fl_lightning.evaluation import as_model_input, model_dtype
 from fl_lightning.methods.base import SharedModelMethod
@@ -154,7 +154,7 @@ class PerFedAvg(SharedModelMethod):
             batches = itertools.chain.from_iterable(passes)
             for x, y in itertools.islice(batches, self.hparams.adapt_steps):
                 x, y = as_model_input(x, self.device, model_dtype(model)), y.to(self.device)
-                opt.zero_grad(set_to_none=True)
+                compat.release_gradients(opt)
                 F.cross_entropy(model(x), y).backward()
-                opt.step()
+                compat.step_optimizer(opt)
         return model.eval()
