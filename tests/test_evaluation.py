@@ -53,6 +53,26 @@ def test_several_batches_nan_and_inf_scores_count_as_in_torchmetrics():
     _same(tally, metrics)
 
 
+def test_the_overall_count_without_classes_is_torchmetrics_count_ties_nan_and_inf_included():
+    # without per-class counts Tally counts argmax == label itself; torchmetrics' metric objects
+    # (and its per-class counting) must agree on ties (first maximum), NaN rows and inf scores
+    g = torch.Generator().manual_seed(3)
+    batches = []
+    for n in (9, 4, 16):
+        scores = torch.randint(0, 3, (n, 5), generator=g).float()  # many ties
+        batches.append((scores, torch.randint(0, 5, (n,), generator=g)))
+    batches[0][0][2] = math.nan
+    batches[0][0][5, 1] = math.nan
+    batches[1][0][0, 4] = math.inf
+    batches[2][0][7] = -math.inf
+    for part in (batches, batches[1:2]):
+        overall, metrics = _both(part, num_classes=5, per_class=False)
+        per_class, _ = _both(part, num_classes=5, per_class=True)
+        _same(overall, metrics)
+        assert (overall.correct, overall.samples) == (per_class.correct, per_class.samples)
+        assert overall.correct == sum(int((s.argmax(1) == y).sum()) for s, y in part)
+
+
 def test_no_samples_give_nan_not_zero():
     tally, metrics = _both([])
     assert tally.samples == 0 and math.isnan(tally.accuracy) and math.isnan(tally.loss)
