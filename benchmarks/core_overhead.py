@@ -3,7 +3,9 @@ the same math on the same clients and the same batches, one thread, in one run (
 
 The plain side loops over mini-batches sliced from the training tensors before its timer starts, so
 it pays for nothing but the model's forward/backward/step, the per-client reset and upload copy,
-the weighted average and the global model's evaluation on the test set once a round. Times are
+the weighted average and the global model's evaluation on the test set once a round. (i) also
+prints the whole round against the plain round plus that data preparation (the round's clients,
+their seeded shuffles, the slicing), which the project's round does inside its own. Times are
 CPU time of this process (on a shared machine wall time mostly measures the neighbours); (i) also
 prints wall time. In (i) every project round is followed by the plain loop's same round, and the
 ratios are the medians of the per-round ratios (a shared machine's speed drifts by 20% between
@@ -99,6 +101,17 @@ def project(setting: dict, model: str, method: str, rounds: int):
     return clock.times, clock.client_time, init, module.model.state_dict()
 
 
+def _epoch_batches(train, work) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A client's mini-batches as a careful plain loop makes them: one gather of the samples per
+    local epoch, in that epoch's order, cut into views."""
+    batches = []
+    for order in work.orders:
+        index = torch.from_numpy(order)
+        images, labels = train.images[index], train.labels[index]
+        batches += zip(images.split(work.batch_size), labels.split(work.batch_size), strict=True)
+    return batches
+
+
 class PlainRounds:
     """The same rounds in plain PyTorch, one call a round; FedSOL(head) with its perturbation by
     functional_call. Its model is built at construction (before a project run seeds the RNG, so
@@ -115,12 +128,16 @@ class PlainRounds:
     def start(self, init: dict) -> None:
         self.model.load_state_dict(init)
 
-    def run_round(self, r: int) -> tuple[float, float, float, int]:
-        """(CPU s, wall s, CPU s in clients, local steps) of round r."""
+    def run_round(self, r: int) -> tuple[float, float, float, int, float]:
+        """(CPU s, wall s, CPU s in clients, local steps, CPU s of the data preparation) of round r.
+        The data preparation (the round's clients and their seeded shuffles, the project's own
+        `plan_round`, and the batches sliced from the tensors) runs before the round's timer."""
         model, teacher, train, test, h = self.model, self.teacher, self.train, self.test, self.dm.hparams
+        prep = time.process_time()
         plan = self.dm.plan_round(r)  # the clients and batch indices the project's round uses
         clients = [w.client for w in plan.clients]
-        batches = {w.client: [(train.images[b], train.labels[b]) for b in w.batches] for w in plan.clients}
+        batches = {w.client: _epoch_batches(train, w) for w in plan.clients}
+        prep = time.process_time() - prep
         start, wall_start = time.process_time(), time.perf_counter()
         global_w = {k: v.clone() for k, v in model.state_dict().items()}
         teacher.load_state_dict(global_w)
@@ -163,7 +180,7 @@ class PlainRounds:
                 logits = model(test.images[s : s + h.eval_batch_size])
                 F.cross_entropy(logits, test.labels[s : s + h.eval_batch_size])
                 (logits.argmax(1) == test.labels[s : s + h.eval_batch_size]).float().mean()
-        return time.process_time() - start, time.perf_counter() - wall_start, in_clients, n_steps
+        return time.process_time() - start, time.perf_counter() - wall_start, in_clients, n_steps, prep
 
 
 def plain(setting: dict, model_name: str, method: str, rounds: int, init: dict):
@@ -172,7 +189,7 @@ def plain(setting: dict, model_name: str, method: str, rounds: int, init: dict):
     loop.start(init)
     times, client_times, steps = [], [], []
     for r in range(rounds):
-        cpu, _, in_clients, n_steps = loop.run_round(r)
+        cpu, _, in_clients, n_steps, _ = loop.run_round(r)
         times.append(cpu)
         client_times.append(in_clients)
         steps.append(n_steps)
@@ -303,6 +320,7 @@ def project_user_run(rounds: int):
 def user_run(rounds: int, repeats: int) -> None:
     med, mean = statistics.median, statistics.mean
     p_cpu, p_wall, q_cpu, q_wall, p_in, q_in, steps, parts, diff = [], [], [], [], [], [], [], [], 0.0
+    q_prep = []
     for _ in range(repeats):
         cpu, wall, run_parts, plain_rounds, p_final, q_final = project_user_run(rounds)
         p_cpu, p_wall, parts = p_cpu + cpu[1:], p_wall + wall[1:], parts + run_parts[1:]
@@ -311,6 +329,7 @@ def user_run(rounds: int, repeats: int) -> None:
         q_wall += [r[1] for r in plain_rounds[1:]]
         q_in += [r[2] for r in plain_rounds[1:]]
         steps += [r[3] for r in plain_rounds[1:]]
+        q_prep += [r[4] for r in plain_rounds[1:]]
         diff = max(diff, max(float((p_final[k] - q_final[k]).abs().max()) for k in p_final))
     n = med(steps)
 
@@ -324,6 +343,9 @@ def user_run(rounds: int, repeats: int) -> None:
     print(f"      whole round, CPU: mean {1e3 * mean(p_cpu):.1f} / {1e3 * mean(q_cpu):.1f} ms = "
           f"{mean(p_cpu) / mean(q_cpu):.3f}x, median {1e3 * med(p_cpu):.1f} / {1e3 * med(q_cpu):.1f} ms, "
           f"paired {paired(p_cpu, q_cpu):.3f}x (target <= 1.15)")
+    with_prep = [q + d for q, d in zip(q_cpu, q_prep, strict=True)]
+    print(f"      whole round, CPU, the plain loop's data preparation timed too ({1e3 * med(q_prep):.1f} ms a "
+          f"round: its clients, seeded shuffles and batch slicing): paired {paired(p_cpu, with_prep):.3f}x")
     print(f"      whole round, wall: mean {1e3 * mean(p_wall):.1f} / {1e3 * mean(q_wall):.1f} ms = "
           f"{mean(p_wall) / mean(q_wall):.3f}x, paired {paired(p_wall, q_wall):.3f}x")
     print("      the project's round (CPU ms, mean over rounds / median):")
