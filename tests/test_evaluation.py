@@ -62,9 +62,13 @@ def test_the_overall_count_without_classes_is_torchmetrics_count_ties_nan_and_in
         scores = torch.randint(0, 3, (n, 5), generator=g).float()  # many ties
         batches.append((scores, torch.randint(0, 5, (n,), generator=g)))
     batches[0][0][2] = math.nan
-    batches[0][0][5, 1] = math.nan
+    batches[0][0][5, 1] = math.nan  # argmax of a row with a NaN is the NaN's column: right here
+    batches[0][1][5] = 1
     batches[1][0][0, 4] = math.inf
     batches[2][0][7] = -math.inf
+    # ties go to the first maximum: right for label 0, wrong for label 2
+    batches[2][0][8], batches[2][1][8] = torch.tensor([4.0, 1, 4, 0, 0]), 0
+    batches[2][0][9], batches[2][1][9] = torch.tensor([4.0, 1, 4, 0, 0]), 2
     for part in (batches, batches[1:2]):
         overall, metrics = _both(part, num_classes=5, per_class=False)
         per_class, _ = _both(part, num_classes=5, per_class=True)
