@@ -1,5 +1,6 @@
 """FedSOL: a two-step local run equals a hand-computed reference; head-only perturbation runs the
-body once; the toy problem of the paper's Appendix L reaches its closed-form equilibrium."""
+body once forward and, by default, once backward; the toy problem of the paper's Appendix L
+reaches its closed-form equilibrium."""
 
 import math
 
@@ -124,6 +125,24 @@ def test_head_only_runs_the_body_once_per_step():
     local_calls = [m for m in calls if m is method.model.body]
     assert len(local_calls) == 3  # one body pass per local step
     assert len(calls) - len(local_calls) == 2  # the frozen global model's pass on steps 2 and 3
+
+
+@pytest.mark.parametrize("scope, body_backwards", [("perturbed", 3), ("all", 5)])
+def test_head_only_backpropagates_through_the_body_as_the_paper_counts(scope, body_backwards):
+    """The paper's cost (Appendix I: two backward passes a step, one of them the proximal loss's,
+    through the head alone when only the head is perturbed): by default the body's weights get one
+    gradient a local step, the update's. The whole-model cosine (`cosine_scope all`, Fig. 3) adds
+    g_p over the body on every step that has one (not the first: g_p = 0 there)."""
+    torch.manual_seed(0)
+    x, y = toy_data(n=8, size=4)
+    dm = one_client_module(x, y, local_epochs=3)
+    kwargs = {} if scope == "perturbed" else {"cosine_scope": scope}  # "perturbed" is the default
+    method = FedSOL(model="mlp", perturb="head", data_spec=dm.spec, **kwargs)
+    body_weight = next(p for n, p in method.model.named_parameters() if n.startswith("body."))
+    gradients = []
+    body_weight.register_hook(lambda grad: gradients.append(grad))
+    fit(method, dm, limit_val_batches=0)
+    assert len(gradients) == body_backwards  # 3 local steps
 
 
 def test_first_step_guard_fixed_radius():

@@ -263,14 +263,15 @@ class FedSOL(ProximalMethod):
         strategy: "A1" = FedSOL; A0 and A2..A6 are the paper's ablations (module docstring).
         beta: weight of L_p in the combined-loss strategies A2..A6.
         min_grad_norm: below this ||g_p|| the step is unperturbed (first-step guard).
-        cosine_scope: the tensors `fedsol/cos_update_prox` is taken over. "all" (default): every
-            trainable tensor, what the paper's Fig. 3 plots, cos(g_u, g_p) with
-            g_u = grad L_local(w + eps_p) and g_p = grad L_p(w; w_g) as whole-model vectors (its
-            Prop. 1 is about these); costs one extra backward of L_p through the body per step when
-            only the head is perturbed (on the FedAvg CNN a round takes 1.19x a plain FedSOL(head)
-            round's, against 1.01x with "perturbed": benchmarks/core_overhead.py --only ii).
-            "perturbed": only the perturbed tensors (free, but with head perturbation it sees only
-            the head's share of the update). The training is the same with either.
+        cosine_scope: the tensors `fedsol/cos_update_prox`, cos(g_u, g_p) with
+            g_u = grad L_local(w + eps_p) and g_p = grad L_p(w; w_g), is taken over. "perturbed"
+            (default): the perturbed tensors, on which g_p is computed for the perturbation anyway,
+            so a step costs what the paper says (its Appendix I: two backward passes, FedSOL(head)
+            33% over FedAvg). "all": every trainable tensor, the whole-model vectors the paper's
+            Fig. 3 plots and its Prop. 1 is about; with head perturbation that is one more
+            backward of L_p through the body a step (on the FedAvg CNN a round takes 1.19x a plain
+            FedSOL(head) round's, against 1.01x with "perturbed": benchmarks/core_overhead.py
+            --only ii). The training is the same with either.
         proximal, temperature, mu: the proximal loss (`ProximalMethod`).
     """
 
@@ -282,7 +283,7 @@ class FedSOL(ProximalMethod):
         strategy: Literal["A0", "A1", "A2", "A3", "A4", "A5", "A6"] = "A1",
         beta: float = 1.0,
         min_grad_norm: float = 1e-8,
-        cosine_scope: Literal["all", "perturbed"] = "all",
+        cosine_scope: Literal["all", "perturbed"] = "perturbed",
         **kwargs,
     ):
         super().__init__(**kwargs)
