@@ -442,3 +442,14 @@ def test_a_parser_built_before_the_run_serves_one_run_and_parses_as_one_built_fo
     code, err_prebuilt = run_in_process(typo)
     assert code == 2 and "num_clientz" in err_prebuilt and not lightning_cli.FLCLI.prebuilt
     assert run_in_process(typo) == (2, err_prebuilt)
+
+
+def test_the_rho_sweep_logs_figure_3s_whole_model_cosine_and_a_plain_fedsol_run_does_not():
+    """FedSOL's default logs its cosine over the perturbed tensors only (a step costs the paper's
+    two backward passes); the rho sweep, run in Fig. 3's setting, asks for the whole-model one."""
+    spec = sweep.load_spec(Path("configs/sweeps/fedsol_rho.yaml"))
+    swept = sweep.parse_with_cli(sweep.plan(spec, Path("runs"), validate=False)[0].args)
+    assert swept["model"]["init_args"]["cosine_scope"] == "all"
+    plain = sweep.parse_with_cli(["fit", "--config", "configs/settings/fedsol_cifar10.yaml",
+                                  "--config", "configs/methods/fedsol/fedsol.yaml"])
+    assert plain["model"]["init_args"]["cosine_scope"] == "perturbed"
