@@ -206,6 +206,27 @@ def test_divergence_statistics_by_hand():
     assert update_gram([{"protos": torch.ones(3)}], g) is None
 
 
+def test_update_gram_over_column_blocks_is_every_inner_product_exactly():
+    """The Gram matrix is summed a block of GRAM_COLUMNS parameters at a time: a tensor two blocks
+    and five parameters long (a block boundary inside it, a short last block), a 0-d tensor and an
+    empty one must give every <w_i - w_g, w_j - w_g> exactly (integer updates on large weights:
+    every float64 product and sum is exact, so the reference is integer arithmetic)."""
+    from fl_lightning.analysis.divergence import GRAM_COLUMNS
+
+    size = 2 * GRAM_COLUMNS + 5
+    rng = np.random.default_rng(0)
+    base = rng.integers(-1000, 1000, size)
+    deltas = rng.integers(-7, 8, (3, size))
+    deltas[:, -5:] = [[1, 2, 3, 4, 5], [0, 0, 0, 0, 9], [-1, -1, -1, -1, -1]]  # the short last block counts
+    g = {"w": torch.tensor(base, dtype=torch.float32), "s": torch.tensor(10.0), "e": torch.zeros(0)}
+    uploads = [{"w": torch.tensor(base + d, dtype=torch.float32), "s": torch.tensor(10.0 + i), "e": torch.zeros(0)}
+               for i, d in enumerate(deltas)]
+    expected = deltas @ deltas.T + np.outer(np.arange(3), np.arange(3))
+    gram = update_gram(uploads, g)
+    assert gram.dtype == torch.float64 and gram.device.type == "cpu"
+    assert gram.tolist() == expected.tolist()
+
+
 def test_classwise_accuracy_by_hand():
     scores = torch.tensor([[1.0, 0, 0], [0, 1, 0], [1, 0, 0], [0, 0, 1]])
     y = torch.tensor([0, 0, 1, 2])

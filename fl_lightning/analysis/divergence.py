@@ -13,22 +13,34 @@ import torch
 
 from fl_lightning.evaluation import Tally
 
+# Columns of the updates taken at once by `update_gram`: 10 clients x 16,384 float64 columns is
+# 1.3 MB, which stays in the cache between the subtraction and the product. One float64 block per
+# parameter tensor (the FedAvg CNN's 1.6M-weight layer: 128 MB for 10 clients) cost 455 ms a
+# round on a CPU, this 65 ms (benchmarks/peer_fedsol.py's setting, 1 thread).
+GRAM_COLUMNS = 1 << 14
+
 
 def update_gram(uploads: Sequence[Mapping[str, torch.Tensor]], global_params: Mapping[str, torch.Tensor],
                 ) -> torch.Tensor | None:
     """The Gram matrix G_ij = <w_i - w_g, w_j - w_g> (float64) of the clients' updates over the
     parameters every upload carries, or None when the uploads hold no model parameters (e.g.
-    prototypes). Summed one parameter tensor at a time: the clients' whole flattened updates in
-    float64 would take clients x parameters x 8 bytes at once (880 MB for 10 ResNet-18 clients)."""
+    prototypes). Summed over blocks of GRAM_COLUMNS parameters: the clients' whole flattened
+    updates in float64 would take clients x parameters x 8 bytes at once (880 MB for 10 ResNet-18
+    clients), and a block that fits in the cache is several times faster."""
     names = [n for n in global_params if all(n in u for u in uploads)]
     if not uploads or not names:
         return None
-    gram = torch.zeros(len(uploads), len(uploads), dtype=torch.float64)
+    gram = None
     for n in names:
-        g = global_params[n].detach().reshape(1, -1).double()
-        rows = torch.stack([u[n].detach().reshape(-1) for u in uploads]).double() - g
-        gram += (rows @ rows.T).cpu()
-    return gram
+        g = global_params[n].detach().reshape(-1)
+        flat = [u[n].detach().reshape(-1) for u in uploads]
+        for start in range(0, g.numel(), GRAM_COLUMNS):
+            end = start + GRAM_COLUMNS
+            rows = torch.stack([f[start:end] for f in flat]).double() - g[start:end].double()
+            gram = rows @ rows.T if gram is None else gram.add_(rows @ rows.T)
+    if gram is None:  # every shared tensor is empty
+        return torch.zeros(len(uploads), len(uploads), dtype=torch.float64)
+    return gram.cpu()
 
 
 def divergence_stats(gram: torch.Tensor) -> dict[str, float]:
