@@ -1,5 +1,5 @@
 """FedAvg per round: fl-lightning against the official FedSOL code (Lee-Gihun/FedSOL, the paper's
-authors) doing the same work, one thread, in one process, runs alternating (issue 22's target:
+authors) doing the same work, one thread, in one process, round by round (issue 22's target:
 no slower). The official code is not part of this project: pass a checkout of it.
 
     git clone https://github.com/Lee-Gihun/FedSOL ../FedSOL
@@ -23,10 +23,10 @@ The project runs twice: (a) `fl-lightning fit` on configs/settings/mnist5k.yaml 
 every default on (W&B offline, the round checkpoint, divergence statistics and their heatmap every
 5 rounds, metrics.csv / clients.csv / summary.json); (b) a Trainer with the federated callback
 only (the official code's work, no more). Times are CPU seconds of this process per round, start
-to start (the last round to the end of training); the first round of every run is dropped. Each
-project round is set against the official code's same round (same clients, same batches): the
-ratio of the sums over rounds and repeats (which counts (a)'s heatmap rounds), and the median of
-the per-round ratios.
+to start (the last round to the end of training); the first round of every run is dropped. After
+each project round the official code runs the same round (same clients, same batches; the round's
+time differs from round to round with its clients' data): the ratio of the sums over rounds and
+repeats (which counts (a)'s heatmap rounds), and the median of the per-round ratios.
 """
 
 from __future__ import annotations
@@ -60,55 +60,141 @@ SETTING = dict(dataset="mnist5k", num_clients=50, sample_ratio=0.2, local_epochs
 USER_RUN = ["fit", "--config", "configs/settings/mnist5k.yaml"]
 
 
-class _RoundStarts:
-    """CPU time at each round's start (the federated callback's epoch start) and at the end of
-    training (after every callback's last epoch end), and the global model's first and last
-    weights, of the fits run inside the `with` block."""
+class OfficialRounds:
+    """The official FedSOL code's FedAvg server on the same work (module docstring), one round a
+    call: its `BaseServer.run` loop body, step by step (client sampling, client training,
+    aggregation, global evaluation, its results and log calls, the scheduler step)."""
 
-    def __init__(self):
-        self.marks: list[float] = []
-        self.init: dict | None = None
+    def __init__(self, checkout: str):
+        if checkout not in sys.path:
+            sys.path.insert(0, checkout)
+        import algorithms.BaseServer as base_server
+        from algorithms.fedavg import Server
+        from algorithms.measures import evaluate_model_on_loaders
+
+        base_server.wandb = types.SimpleNamespace(log=lambda *args, **kwargs: None)  # W&B disabled
+        self.evaluate = evaluate_model_on_loaders
+        self.dm = dm = FederatedDataModule(**SETTING)
+        dm.setup()
+        train, test = dm.train_set.tensors(), dm.test_set.tensors()
+        self.train_set = TensorDataset(train.images, train.labels)
+        eval_batch = dm.hparams.eval_batch_size
+        # the project's fixed 300-digit subset (FederatedDataModule.global_test_subset_loader)
+        subset = np.sort(np.random.default_rng(SETTING["partition_seed"]).choice(
+            len(test.labels), LOCAL_EVAL_SAMPLES, replace=False))
+        self.local_test = DataLoader(TensorDataset(test.images[subset], test.labels[subset]), batch_size=eval_batch)
+        model = build_model("fedavg_cnn", dm.spec)
+        optimizer = torch.optim.SGD(model.parameters(), **OPT)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=LR_DECAY)
+        clients = range(SETTING["num_clients"])
+        self.data = {"num_classes": dm.spec.num_classes,
+                     "global": {"test": DataLoader(TensorDataset(test.images, test.labels), batch_size=eval_batch)},
+                     "partition_map": {c: dm.client_parts[c] for c in clients},
+                     "local_sizes": {c: len(dm.client_parts[c]) for c in clients},
+                     "local": {c: {"train": None, "test": self.local_test} for c in clients}}
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            self.server = Server({}, model, self.data, optimizer, scheduler, n_rounds=10**6,
+                                 sample_ratio=SETTING["sample_ratio"], local_epochs=SETTING["local_epochs"],
+                                 device="cpu")
+        self.plan: dict = {}
+        self.server._client_sampling = self._client_sampling
+        self.server._set_client_data = self._set_client_data
+        self.server.client._get_local_stats = self._local_stats
+
+    def _client_sampling(self, round_idx: int) -> list[int]:  # the project's clients
+        self.plan = {w.client: w for w in self.dm.plan_round(round_idx).clients}
+        return list(self.plan)
+
+    def _set_client_data(self, client_idx: int) -> None:
+        client = self.server.client
+        client.datasize = self.data["local_sizes"][client_idx]
+        client.local_loaders = {"train": DataLoader(self.train_set, batch_sampler=_EpochBatches(self.plan[client_idx])),
+                                "test": self.local_test}
+
+    def _local_stats(self) -> dict:  # the local model on the 300 test digits only
+        return self.evaluate(self.server.client.model, {"test": self.local_test}, "cpu", "Local")
+
+    def start(self, init: dict) -> None:
+        self.server.server_model.load_state_dict(init)
+
+    def run_round(self, round_idx: int) -> float:
+        """CPU seconds of round `round_idx` (its first round's initial evaluation excluded, as the
+        official code times its rounds)."""
+        s = self.server
+        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
+            if round_idx == 0:
+                s.server_results = s._results_updater(s.server_results, self.evaluate(s.server_model, s.global_loaders,
+                                                                                     s.device))
+            started = time.process_time()
+            sampled = s._client_sampling(round_idx)
+            s.server_results = s._results_updater(s.server_results, {"client_history": sampled})
+            weights, sizes, local_results = s._clients_training(sampled)
+            s.server_model.load_state_dict(s._aggregation(weights, sizes))
+            global_results = self.evaluate(s.server_model, s.global_loaders, s.device, "Global")
+            s.server_results = s._results_updater(s.server_results, global_results)
+            s._print_stats_with_logging(global_results, round_idx)
+            s._print_stats_with_logging(local_results, round_idx)
+            s.scheduler.step()
+            return time.process_time() - started
+
+
+class _PairedRounds:
+    """Times the fits run inside the `with` block round by round (CPU seconds, from the federated
+    callback's epoch start to the next one, the last round to the end of training) and runs the
+    official code's same round between two of the project's rounds, outside both clocks, so that
+    each pair meets the same machine (a shared machine's speed drifts by 20% in a minute)."""
+
+    def __init__(self, official: OfficialRounds):
+        self.official = official
+        self.project: list[float] = []
+        self.theirs: list[float] = []
         self.module = None
+        self._started: float | None = None
+
+    def _round_over(self) -> None:
+        self.project.append(time.process_time() - self._started)
+        self.theirs.append(self.official.run_round(len(self.theirs)))
 
     def __enter__(self):
-        self._start = FederatedCallback.on_train_epoch_start
-        start, clock = self._start, self
+        self._epoch_start = FederatedCallback.on_train_epoch_start
+        epoch_start, clock = self._epoch_start, self
 
         def on_train_epoch_start(callback, trainer, module):
-            clock.marks.append(time.process_time())
-            if clock.init is None:
-                clock.init = {k: v.clone() for k, v in module.model.state_dict().items()}
+            if clock._started is not None:
+                clock._round_over()
+            else:
+                clock.official.start(module.model.state_dict())
             clock.module = module
-            return start(callback, trainer, module)
+            clock._started = time.process_time()
+            return epoch_start(callback, trainer, module)
 
         def on_train_end(callback, trainer, module):
-            clock.marks.append(time.process_time())
+            clock._round_over()
 
         FederatedCallback.on_train_epoch_start = on_train_epoch_start
         FederatedCallback.on_train_end = on_train_end
         return self
 
     def __exit__(self, *exc):
-        FederatedCallback.on_train_epoch_start = self._start
+        FederatedCallback.on_train_epoch_start = self._epoch_start
         del FederatedCallback.on_train_end  # the base class's no-op again
 
-    def result(self) -> tuple[list[float], dict, dict]:
-        times = [b - a for a, b in zip(self.marks, self.marks[1:], strict=False)]
-        return times, self.init, {k: v.clone() for k, v in self.module.model.state_dict().items()}
+    def max_weight_difference(self) -> float:
+        theirs = self.official.server.server_model.state_dict()
+        return max(float((v - theirs[k]).abs().max()) for k, v in self.module.model.state_dict().items())
 
 
-def user_fit(rounds: int):
+def user_fit(rounds: int, clock: _PairedRounds) -> None:
     """(a): `fl-lightning fit` on the demo setting, in this process, every default on."""
     from fl_lightning.cli import main as fl_lightning
 
     os.environ.setdefault("WANDB_MODE", "offline")
-    with tempfile.TemporaryDirectory() as run_dir, _RoundStarts() as clock, open(os.devnull, "w") as quiet, \
+    with tempfile.TemporaryDirectory() as run_dir, clock, open(os.devnull, "w") as quiet, \
             contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):
         fl_lightning([*USER_RUN, "--trainer.max_epochs", str(rounds), "--trainer.default_root_dir", run_dir])
-    return clock.result()
 
 
-def bare_fit(rounds: int):
+def bare_fit(rounds: int, clock: _PairedRounds) -> None:
     """(b): a Trainer with the federated callback only (local models evaluated on 300 digits)."""
     torch.manual_seed(0)
     dm = FederatedDataModule(**SETTING)
@@ -117,9 +203,8 @@ def bare_fit(rounds: int):
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, accelerator="cpu", devices=1,
                         callbacks=[FederatedCallback(local_eval_samples=LOCAL_EVAL_SAMPLES)])
-    with _RoundStarts() as clock:
+    with clock:
         trainer.fit(module, dm)
-    return clock.result()
 
 
 class _EpochBatches:
@@ -140,62 +225,6 @@ class _EpochBatches:
         return len(self.epochs[self.epoch])
 
 
-def official_fit(checkout: str, rounds: int, init: dict):
-    """The official FedSOL code's FedAvg `Server.run` on the same work (module docstring)."""
-    if checkout not in sys.path:
-        sys.path.insert(0, checkout)
-    import algorithms.BaseServer as base_server
-    from algorithms.fedavg import Server
-    from algorithms.measures import evaluate_model_on_loaders
-
-    base_server.wandb = types.SimpleNamespace(log=lambda *args, **kwargs: None)  # W&B disabled
-    dm = FederatedDataModule(**SETTING)
-    dm.setup()
-    train, test = dm.train_set.tensors(), dm.test_set.tensors()
-    train_set = TensorDataset(train.images, train.labels)
-    eval_batch = dm.hparams.eval_batch_size
-    # the project's fixed 300-digit subset (FederatedDataModule.global_test_subset_loader)
-    subset = np.sort(np.random.default_rng(SETTING["partition_seed"]).choice(len(test.labels), LOCAL_EVAL_SAMPLES,
-                                                                            replace=False))
-    local_test = DataLoader(TensorDataset(test.images[subset], test.labels[subset]), batch_size=eval_batch)
-    model = build_model("fedavg_cnn", dm.spec)
-    model.load_state_dict(init)
-    optimizer = torch.optim.SGD(model.parameters(), **OPT)
-    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=LR_DECAY)
-    clients = range(SETTING["num_clients"])
-    data = {"num_classes": dm.spec.num_classes,
-            "global": {"test": DataLoader(TensorDataset(test.images, test.labels), batch_size=eval_batch)},
-            "partition_map": {c: dm.client_parts[c] for c in clients},
-            "local_sizes": {c: len(dm.client_parts[c]) for c in clients},
-            "local": {c: {"train": None, "test": local_test} for c in clients}}
-    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-        server = Server({}, model, data, optimizer, scheduler, n_rounds=rounds,
-                        sample_ratio=SETTING["sample_ratio"], local_epochs=SETTING["local_epochs"], device="cpu")
-    marks, plans = [], {}
-
-    def client_sampling(round_idx):  # the project's clients, and the round's start
-        marks.append(time.process_time())
-        plans[round_idx] = {w.client: w for w in dm.plan_round(round_idx).clients}
-        return list(plans[round_idx])
-
-    def set_client_data(client_idx):
-        work = plans[len(marks) - 1][client_idx]
-        server.client.datasize = data["local_sizes"][client_idx]
-        server.client.local_loaders = {"train": DataLoader(train_set, batch_sampler=_EpochBatches(work)),
-                                       "test": local_test}
-
-    def local_stats():  # the local model on the 300 test digits only
-        return evaluate_model_on_loaders(server.client.model, {"test": local_test}, "cpu", "Local")
-
-    server._client_sampling, server._set_client_data = client_sampling, set_client_data
-    server.client._get_local_stats = local_stats
-    with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-        server.run()
-    marks.append(time.process_time())
-    times = [b - a for a, b in zip(marks, marks[1:], strict=False)]
-    return times, server.server_model.state_dict()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkout", required=True, help="a checkout of github.com/Lee-Gihun/FedSOL")
@@ -210,17 +239,17 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     project, official = {"user": [], "bare": []}, {"user": [], "bare": []}
     diff = {"user": 0.0, "bare": 0.0}
-    for _ in range(args.repeats):  # alternating: the machine's drift meets every side
+    for _ in range(args.repeats):
         for side, fit in (("user", user_fit), ("bare", bare_fit)):
-            project_times, init, final = fit(args.rounds)
-            official_times, official_final = official_fit(args.checkout, args.rounds, init)
-            project[side] += project_times[1:]
-            official[side] += official_times[1:]
-            diff[side] = max(diff[side], max(float((final[k] - official_final[k]).abs().max()) for k in final))
+            clock = _PairedRounds(OfficialRounds(args.checkout))
+            fit(args.rounds, clock)
+            project[side] += clock.project[1:]
+            official[side] += clock.theirs[1:]
+            diff[side] = max(diff[side], clock.max_weight_difference())
     med = statistics.median
     print(f"FedAvg CNN, MNIST-5k (Dirichlet 0.1, 10 of 50 clients, 5 local epochs, batch 50), 1 thread, "
-          f"{args.repeats} repeats x {args.rounds - 1} rounds a side, each round against the official code's "
-          f"same round (the clients' data, so a round's time, differ from round to round)")
+          f"{args.repeats} repeats x {args.rounds - 1} rounds a side, each round paired with the official code's "
+          f"same round, run right after it")
     for side, what in (("user", "(a) fl-lightning fit, every default on"),
                        ("bare", "(b) the federated callback only        ")):
         p, q = project[side], official[side]
