@@ -117,6 +117,9 @@ class OfficialRounds:
     def start(self, init: dict) -> None:
         self.server.server_model.load_state_dict(init)
 
+    def global_state(self) -> dict:
+        return self.server.server_model.state_dict()
+
     def run_round(self, round_idx: int) -> float:
         """CPU seconds of round `round_idx` (its first round's initial evaluation excluded, as the
         official code times its rounds)."""
@@ -144,7 +147,7 @@ class _PairedRounds:
     official code's same round between two of the project's rounds, outside both clocks, so that
     each pair meets the same machine (a shared machine's speed drifts by 20% in a minute)."""
 
-    def __init__(self, official: OfficialRounds):
+    def __init__(self, official):  # OfficialRounds, or any peer with start, run_round, global_state
         self.official = official
         self.project: list[float] = []
         self.theirs: list[float] = []
@@ -180,7 +183,7 @@ class _PairedRounds:
         del FederatedCallback.on_train_end  # the base class's no-op again
 
     def max_weight_difference(self) -> float:
-        theirs = self.official.server.server_model.state_dict()
+        theirs = self.official.global_state()
         return max(float((v - theirs[k]).abs().max()) for k, v in self.module.model.state_dict().items())
 
 
@@ -194,15 +197,17 @@ def user_fit(rounds: int, clock: _PairedRounds) -> None:
         fl_lightning([*USER_RUN, "--trainer.max_epochs", str(rounds), "--trainer.default_root_dir", run_dir])
 
 
-def bare_fit(rounds: int, clock: _PairedRounds) -> None:
-    """(b): a Trainer with the federated callback only (local models evaluated on 300 digits)."""
+def bare_fit(rounds: int, clock: _PairedRounds, lr_decay: float = LR_DECAY, eval_local_models: bool = True) -> None:
+    """(b): a Trainer with the federated callback only (local models evaluated on 300 digits, unless
+    `eval_local_models` is off)."""
     torch.manual_seed(0)
     dm = FederatedDataModule(**SETTING)
-    module = FedAvg(model="fedavg_cnn", data_spec=dm.spec, lr_decay=LR_DECAY, **OPT)
+    module = FedAvg(model="fedavg_cnn", data_spec=dm.spec, lr_decay=lr_decay, **OPT)
     trainer = L.Trainer(max_epochs=rounds, reload_dataloaders_every_n_epochs=1, num_sanity_val_steps=0,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, accelerator="cpu", devices=1,
-                        callbacks=[FederatedCallback(local_eval_samples=LOCAL_EVAL_SAMPLES)])
+                        callbacks=[FederatedCallback(eval_local_models=eval_local_models,
+                                                     local_eval_samples=LOCAL_EVAL_SAMPLES)])
     with clock:
         trainer.fit(module, dm)
 
