@@ -1,6 +1,8 @@
 """FedAvg per round: fl-lightning against the official FedSOL code (Lee-Gihun/FedSOL, the paper's
 authors) doing the same work, one thread, in one process, round by round (issue 22's target:
-no slower). The official code is not part of this project: pass a checkout of it.
+no slower). The official code is not part of this project: pass a checkout of it (written against
+its commit ebc3f64; the harness replaces three of its private methods, which a later version may
+rename).
 
     git clone https://github.com/Lee-Gihun/FedSOL ../FedSOL
     PYTHONPATH=. python benchmarks/peer_fedsol.py --checkout ../FedSOL [--rounds 7] [--repeats 3]

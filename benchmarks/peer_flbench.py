@@ -2,7 +2,8 @@
 thread, in one process, round by round (issue 22's target: no slower). FL-bench is not part of
 this project: pass a checkout of it, and a directory holding the packages its modules import that
 this project does not install (ray is not needed: FL-bench's serial mode, the one timed here, never
-calls it, and a stand-in module takes its import).
+calls it, and a stand-in module takes its import). Written against FL-bench's commit 06e658b: the
+harness builds its server without `__init__`, which a later version may extend.
 
     git clone https://github.com/KarhouTam/FL-bench ../FL-bench
     pip install --target ../flbench-deps omegaconf hydra-core rich nvidia-ml-py
@@ -66,6 +67,27 @@ class _Digits(torch.utils.data.Dataset):
         pass
 
 
+def flbench_modules(checkout: str, deps: str | None):
+    """FL-bench's modules this harness uses (OmegaConf, FedAvgServer, initialize_data_loaders), with
+    the checkout first on the path and `deps` last."""
+    if checkout not in sys.path:
+        sys.path.insert(0, checkout)
+    if deps and deps not in sys.path:
+        sys.path.append(deps)  # after this project's packages: only what they lack comes from there
+    try:
+        import ray  # noqa: F401
+    except ImportError:  # imported by FL-bench's trainer for its parallel mode only
+        ray = types.ModuleType("ray")
+        ray.actor = types.ModuleType("ray.actor")
+        ray.actor.ActorHandle = object
+        sys.modules["ray"], sys.modules["ray.actor"] = ray, ray.actor
+    from omegaconf import OmegaConf
+    from src.server.fedavg import FedAvgServer
+    from src.utils.functional import initialize_data_loaders
+
+    return OmegaConf, FedAvgServer, initialize_data_loaders
+
+
 class FLbenchRounds:
     """FL-bench's FedAvg server in its serial mode on the same work (module docstring), one round
     a call. Its server is built without its `__init__` (which needs Hydra's run directory and the
@@ -73,21 +95,7 @@ class FLbenchRounds:
     `__init__` sets for this configuration, and the round runs FL-bench's own methods."""
 
     def __init__(self, checkout: str, deps: str | None):
-        if checkout not in sys.path:
-            sys.path.insert(0, checkout)
-        if deps and deps not in sys.path:
-            sys.path.append(deps)  # after this project's packages: only what they lack comes from there
-        try:
-            import ray  # noqa: F401
-        except ImportError:  # imported by FL-bench's trainer for its parallel mode only
-            ray = types.ModuleType("ray")
-            ray.actor = types.ModuleType("ray.actor")
-            ray.actor.ActorHandle = object
-            sys.modules["ray"], sys.modules["ray.actor"] = ray, ray.actor
-        from omegaconf import OmegaConf
-        from src.server.fedavg import FedAvgServer
-        from src.utils.functional import initialize_data_loaders
-
+        OmegaConf, FedAvgServer, initialize_data_loaders = flbench_modules(checkout, deps)
         args = OmegaConf.load(os.path.join(checkout, "config", "defaults.yaml"))
         OmegaConf.update(args, "dataset.name", "mnist")
         for key, value in {"optimizer.lr": OPT["lr"], "optimizer.momentum": OPT["momentum"],
@@ -172,6 +180,11 @@ def main() -> None:
     if not os.path.isfile(os.path.join(args.checkout, "src", "server", "fedavg.py")):
         parser.error(f"--checkout {args.checkout}: no src/server/fedavg.py there; "
                      "clone https://github.com/KarhouTam/FL-bench and pass its directory")
+    try:
+        flbench_modules(args.checkout, args.deps)
+    except ImportError as error:
+        parser.error(f"FL-bench's modules need {error.name}, which is not installed: pip install --target DIR "
+                     "omegaconf hydra-core rich nvidia-ml-py, then pass --deps DIR")
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
