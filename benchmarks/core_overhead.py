@@ -91,6 +91,14 @@ class RoundClock(L.Callback):
         return [b - a for a, b in zip(self.starts, self.starts[1:], strict=False)]
 
 
+def bare_trainer(rounds: int, callbacks: list) -> L.Trainer:
+    """A Trainer of `rounds` rounds on one CPU with `callbacks` and nothing else (no logger,
+    checkpoint, progress bar or model summary)."""
+    return L.Trainer(max_epochs=rounds, reload_dataloaders_every_n_epochs=1, num_sanity_val_steps=0,
+                     logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False, accelerator="cpu", devices=1, callbacks=callbacks)
+
+
 def project(setting: dict, model: str, method: str, rounds: int):
     torch.manual_seed(0)
     dm = FederatedDataModule(**setting)
@@ -100,11 +108,7 @@ def project(setting: dict, model: str, method: str, rounds: int):
     init = {k: v.clone() for k, v in module.model.state_dict().items()}
     clock = RoundClock()
     clock.watch(module)
-    trainer = L.Trainer(max_epochs=rounds, reload_dataloaders_every_n_epochs=1, num_sanity_val_steps=0,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, accelerator="cpu", devices=1,
-                        callbacks=[clock, FederatedCallback(eval_local_models=False)])
-    trainer.fit(module, dm)
+    bare_trainer(rounds, [clock, FederatedCallback(eval_local_models=False)]).fit(module, dm)
     return clock.times, clock.client_time, init, module.model.state_dict()
 
 

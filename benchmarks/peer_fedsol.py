@@ -44,9 +44,8 @@ import time
 import types
 import warnings
 
-import lightning as L
-import numpy as np
 import torch
+from core_overhead import MNIST, OPT, bare_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from fl_lightning.data.datamodule import FederatedDataModule
@@ -54,11 +53,9 @@ from fl_lightning.federation import FederatedCallback
 from fl_lightning.methods import FedAvg
 from fl_lightning.models import build_model
 
-OPT = dict(lr=0.01, momentum=0.9, weight_decay=1e-5)
+SETTING = MNIST  # = configs/settings/mnist5k.yaml
 LR_DECAY = 0.99
 LOCAL_EVAL_SAMPLES = 300  # configs/settings/mnist5k.yaml's federation.local_eval_samples
-SETTING = dict(dataset="mnist5k", num_clients=50, sample_ratio=0.2, local_epochs=5, batch_size=50,
-               partition="dirichlet", alpha=0.1, partition_seed=0, seed=0)  # = configs/settings/mnist5k.yaml
 USER_RUN = ["fit", "--config", "configs/settings/mnist5k.yaml"]
 
 
@@ -81,9 +78,7 @@ class OfficialRounds:
         train, test = dm.train_set.tensors(), dm.test_set.tensors()
         self.train_set = TensorDataset(train.images, train.labels)
         eval_batch = dm.hparams.eval_batch_size
-        # the project's fixed 300-digit subset (FederatedDataModule.global_test_subset_loader)
-        subset = np.sort(np.random.default_rng(SETTING["partition_seed"]).choice(
-            len(test.labels), LOCAL_EVAL_SAMPLES, replace=False))
+        subset = dm.global_test_subset_loader(LOCAL_EVAL_SAMPLES).dataset.indices  # the project's 300 digits
         self.local_test = DataLoader(TensorDataset(test.images[subset], test.labels[subset]), batch_size=eval_batch)
         model = build_model("fedavg_cnn", dm.spec)
         optimizer = torch.optim.SGD(model.parameters(), **OPT)
@@ -205,11 +200,8 @@ def bare_fit(rounds: int, clock: _PairedRounds, lr_decay: float = LR_DECAY, eval
     torch.manual_seed(0)
     dm = FederatedDataModule(**SETTING)
     module = FedAvg(model="fedavg_cnn", data_spec=dm.spec, lr_decay=lr_decay, **OPT)
-    trainer = L.Trainer(max_epochs=rounds, reload_dataloaders_every_n_epochs=1, num_sanity_val_steps=0,
-                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, accelerator="cpu", devices=1,
-                        callbacks=[FederatedCallback(eval_local_models=eval_local_models,
-                                                     local_eval_samples=LOCAL_EVAL_SAMPLES)])
+    trainer = bare_trainer(rounds, [FederatedCallback(eval_local_models=eval_local_models,
+                                                      local_eval_samples=LOCAL_EVAL_SAMPLES)])
     with clock:
         trainer.fit(module, dm)
 

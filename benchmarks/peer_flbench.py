@@ -41,24 +41,15 @@ import warnings
 import numpy as np
 import torch
 from peer_fedsol import OPT, SETTING, _EpochBatches, _PairedRounds, bare_fit
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, TensorDataset
 
 from fl_lightning.data.datamodule import FederatedDataModule
 from fl_lightning.models import build_model
 
 
-class _Digits(torch.utils.data.Dataset):
+class _Digits(TensorDataset):
     """Training then test digits as one tensor dataset, as FL-bench's MNIST holds them, with the
     train()/eval() switches its clients and server call (no transforms to switch)."""
-
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor):
-        self.images, self.labels = images, labels
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, i):
-        return self.images[i], self.labels[i]
 
     def train(self) -> None:
         pass

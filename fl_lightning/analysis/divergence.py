@@ -30,16 +30,15 @@ def update_gram(uploads: Sequence[Mapping[str, torch.Tensor]], global_params: Ma
     names = [n for n in global_params if all(n in u for u in uploads)]
     if not uploads or not names:
         return None
-    gram = None
+    # summed on the uploads' device, moved to the CPU once
+    gram = torch.zeros(len(uploads), len(uploads), dtype=torch.float64, device=uploads[0][names[0]].device)
     for n in names:
         g = global_params[n].detach().reshape(-1)
         flat = [u[n].detach().reshape(-1) for u in uploads]
         for start in range(0, g.numel(), GRAM_COLUMNS):
             end = start + GRAM_COLUMNS
             rows = torch.stack([f[start:end] for f in flat]).double() - g[start:end].double()
-            gram = rows @ rows.T if gram is None else gram.add_(rows @ rows.T)
-    if gram is None:  # every shared tensor is empty
-        return torch.zeros(len(uploads), len(uploads), dtype=torch.float64)
+            gram += rows @ rows.T
     return gram.cpu()
 
 
