@@ -183,6 +183,25 @@ def test_metrics_csv_rows_hold_only_their_rounds_values(tmp_path):
     assert heatmap_rounds == [2, 4]
 
 
+def test_each_rounds_heatmap_file_is_its_numbers_drawn_on_one_colour_scale(fitted):
+    """The class-wise heatmap PNG a fit writes each round is analysis.json's numbers drawn as a new
+    figure draws them, on the 0-1 scale of an accuracy (round 2 redraws round 1's figure)."""
+    import numpy as np
+    from PIL import Image
+
+    from fl_lightning.analysis import plots
+
+    for round_no in (1, 2):
+        folder = fitted / "analysis" / f"round_{round_no:03d}"
+        numbers = json.loads((folder / "analysis.json").read_text())["classwise_local"]
+        expected = plots.heatmap_image(np.array(numbers["acc"], dtype=np.float64),
+                                       f"FedSOL, mnist5k, round {round_no}: local models' class-wise accuracy",
+                                       "class", "client id", annotate=False, quantity="accuracy",
+                                       row_labels=numbers["clients"], log_scale=False, limits=(0.0, 1.0))
+        written = np.asarray(Image.open(folder / "classwise_local.png").convert("RGB"))
+        np.testing.assert_array_equal(written, expected)
+
+
 def test_the_heatmap_shows_the_federations_evaluation_of_each_local_model(fitted):
     """The class-wise heatmap's rows are the per-class counts of the same evaluation that gives
     clients.csv's local_acc (on the same 200-digit subset), not a second evaluation: each row's

@@ -134,6 +134,7 @@ class AnalysisCallback(L.Callback):
         self._table_rows: list[list[float]] = []
         self._spectrum_history: dict[str, dict[int, tuple[float, float]]] = {}  # prefix -> round -> (l1, l1/lk)
         self._said: set[str] = set()
+        self._classwise_heatmaps = plots.HeatmapSeries("class", "client id", "accuracy", limits=(0.0, 1.0))
 
     # ---- hooks --------------------------------------------------------------------------------
     def on_fit_start(self, trainer, pl_module) -> None:
@@ -296,9 +297,10 @@ class AnalysisCallback(L.Callback):
         files["classwise_local"] = {"clients": clients, "acc": local.tolist(), "global": global_acc.tolist()}
         # No numbers in the cells (they are in analysis.json): drawing a hundred of them doubled the
         # cost of a picture drawn every few rounds, in the training loop
-        image = plots.heatmap_image(local.numpy(), f"{_what(trainer, round_no)}: local models' class-wise accuracy",
-                                    "class", "client id", annotate=False, quantity="accuracy",
-                                    row_labels=clients, log_scale=False)
+        # (the same figure redrawn each time: its layout, and building it, were most of the cost;
+        # the colours span 0 to 1, so that the pictures of two rounds compare)
+        image = self._classwise_heatmaps.image(local.numpy(), f"{_what(trainer, round_no)}: local models' "
+                                               "class-wise accuracy", row_labels=clients)
         files["classwise_local.png"] = image
         self._log_media(trainer, round_no, {"analysis/classwise_local": ("image", image)})
         return out

@@ -20,7 +20,7 @@ from fl_lightning.atomic import atomic_write_bytes
 
 
 def _to_array(fig: Figure) -> np.ndarray:
-    canvas = FigureCanvasAgg(fig)
+    canvas = fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)
     canvas.draw()
     return np.asarray(canvas.buffer_rgba())[..., :3].astype(np.uint8).copy()
 
@@ -77,11 +77,13 @@ def heatmap_image(*args, **kwargs) -> np.ndarray:
 
 def heatmap_figure(matrix: np.ndarray, title: str, xlabel: str, ylabel: str, annotate: bool | None = None,
                    fmt: str = "{:.0f}", quantity: str = "", row_labels: Sequence | None = None,
-                   log_scale: bool | None = None) -> Figure:
+                   log_scale: bool | None = None, limits: tuple[float, float] | None = None) -> Figure:
     """A rows x columns heatmap (clients x classes): the colorbar labelled `quantity`, rows named
     `row_labels` (the real client ids), numbers written in the cells when small. The colour scale
     is logarithmic (symlog, zero included) when one cell dominates (`log_scale` None: the largest
-    value is over 20 times the median of the non-zero ones), so a 210 does not black out the rest."""
+    value is over 20 times the median of the non-zero ones), so a 210 does not black out the rest.
+    `limits` fixes a linear scale's ends (an accuracy's 0 and 1, so that the colours of two
+    pictures mean the same), instead of the matrix's own minimum and maximum."""
     from matplotlib.colors import SymLogNorm
 
     m = np.asarray(matrix, dtype=np.float64)
@@ -93,15 +95,17 @@ def heatmap_figure(matrix: np.ndarray, title: str, xlabel: str, ylabel: str, ann
     fig = Figure(figsize=(max(4.0, 0.45 * cols + 2), height), dpi=80, layout="constrained")
     ax = fig.add_subplot()
     positive = m[np.isfinite(m) & (m > 0)]
+    if limits is not None and log_scale:
+        raise ValueError("heatmap limits are for a linear colour scale")
     if log_scale is None:
-        log_scale = positive.size > 0 and positive.max() > 20 * np.median(positive)
+        log_scale = limits is None and positive.size > 0 and positive.max() > 20 * np.median(positive)
     norm = SymLogNorm(linthresh=max(float(positive.min()), 1e-12), vmin=0.0, vmax=float(positive.max())) \
         if log_scale else None
-    im = ax.imshow(np.ma.masked_invalid(m), aspect="auto", cmap="magma", norm=norm,
+    vmin, vmax = limits if limits is not None else (None, None)
+    im = ax.imshow(np.ma.masked_invalid(m), aspect="auto", cmap="magma", norm=norm, vmin=vmin, vmax=vmax,
                    interpolation="nearest" if height > 0.22 * rows else "antialiased")
     fig.colorbar(im, ax=ax).set_label(quantity + (" (log scale)" if log_scale else ""))
-    if row_labels is not None and rows <= 60:
-        ax.set_yticks(range(rows), [str(r) for r in row_labels], fontsize=6 if rows > 20 else 8)
+    _row_ticks(ax, row_labels)
     if annotate if annotate is not None else rows * cols <= 400:
         middle = np.nanmean([np.nanmin(m), np.nanmax(m)]) if np.isfinite(m).any() else 0.0
         for i in range(rows):
@@ -115,6 +119,47 @@ def heatmap_figure(matrix: np.ndarray, title: str, xlabel: str, ylabel: str, ann
         ax.set_xticks(range(cols))  # every class, not every other one
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     return fig
+
+
+def _row_ticks(ax, row_labels: Sequence | None) -> None:
+    """The rows named by `row_labels` (client ids), when there are few enough to read."""
+    if row_labels is not None and len(row_labels) <= 60:
+        ax.set_yticks(range(len(row_labels)), [str(r) for r in row_labels], fontsize=6 if len(row_labels) > 20 else 8)
+
+
+class HeatmapSeries:
+    """One heatmap drawn again and again (the local models' class-wise accuracy every few rounds of
+    a fit), the same picture `heatmap_image` draws, at about a third of the cost: the figure is
+    built, and laid out by matplotlib's layout engine, once (see below when again); each later
+    drawing replaces only the cells, the row labels and the title, and keeps the layout.
+    (Laying out measures every tick label, and with building the figure it was 60% of a 10 x 10
+    picture: 214 ms against 85 ms reused, here.) The layout is valid while the colorbar's ticks
+    stay the same, hence a linear scale with fixed `limits`, while the row labels keep their width
+    and the title its letters: a wider label (client 100 after client 99) or a title with other
+    letters gets a new figure (a fit's titles differ only in their round's digits)."""
+
+    def __init__(self, xlabel: str, ylabel: str, quantity: str, limits: tuple[float, float]):
+        self.xlabel, self.ylabel, self.quantity, self.limits = xlabel, ylabel, quantity, limits
+        self._key: tuple | None = None
+        self._fig: Figure | None = None
+
+    def image(self, matrix: np.ndarray, title: str, row_labels: Sequence) -> np.ndarray:
+        m = np.asarray(matrix, dtype=np.float64)
+        labels = [str(r) for r in row_labels]
+        # the title's height is laid out too: its letters (not its digits, which are of one height) count
+        key = (m.shape, max(map(len, labels), default=0), frozenset(title) - frozenset("0123456789"))
+        if key != self._key or self._fig is None:
+            self._fig = heatmap_figure(m, title, self.xlabel, self.ylabel, annotate=False, quantity=self.quantity,
+                                       row_labels=labels, log_scale=False, limits=self.limits)
+            self._key = key
+            image = _to_array(self._fig)  # laid out by the engine, which is then switched off
+            self._fig.set_layout_engine("none")
+            return image
+        ax = self._fig.axes[0]
+        ax.images[0].set_data(np.ma.masked_invalid(m))
+        _row_ticks(ax, labels)
+        ax.set_title(title)
+        return _to_array(self._fig)
 
 
 def curve_image(*args, **kwargs) -> np.ndarray:
