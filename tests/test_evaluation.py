@@ -94,3 +94,39 @@ def test_evaluate_a_model_in_eval_mode_and_restores_its_flags():
     assert result.correct == int((scores.argmax(1) == y).sum())
     assert math.isclose(result.loss, float(F.cross_entropy(scores, y)), rel_tol=1e-6)
     assert model.training and model[1].training
+
+
+def test_each_rounds_logged_accuracy_and_loss_are_the_global_models_on_the_test_set(tmp_path):
+    """Through the CLI: round 2's `global/test_acc` and `global/test_loss` in metrics.csv are, to
+    the last digit, the saved global model's on the global test set (its batches, float32
+    accuracy, float64 mean cross-entropy), so round 1's counts were not carried into round 2's."""
+    from test_cli import REPO, run
+
+    from fl_lightning.comparison import read_metrics
+    from fl_lightning.data.datamodule import FederatedDataModule
+    from fl_lightning.models import build_model
+
+    root = tmp_path / "run"
+    tiny = ["--data.dataset", "digits", "--model.init_args.model", "mlp", "--data.num_clients", "10",
+            "--data.min_size", "5", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
+            "--analysis.divergence", "false", "--federation.eval_local_models", "false"]
+    assert run(["fit", "--config", str(REPO / "configs/settings/mnist5k.yaml"), "--config",
+                str(REPO / "configs/methods/fedsol/fedavg.yaml"), *tiny, "--trainer.max_epochs", "2",
+                "--trainer.default_root_dir", str(root)]) == 0
+    state = torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    data = FederatedDataModule(dataset="digits", num_clients=10, min_size=5)
+    data.setup()
+    model = build_model("mlp", data.spec)
+    model.load_state_dict({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")})
+    model.eval()
+    correct, samples, loss_total = 0, 0, torch.tensor(0.0, dtype=torch.float64)
+    with torch.no_grad():
+        for x, y in data.val_dataloader():
+            scores = model(x).float()
+            correct += int((scores.argmax(1) == y).sum())
+            samples += len(y)
+            loss_total += F.cross_entropy(scores, y, reduction="sum").double()
+    rows = read_metrics(root / "metrics.csv")
+    assert [r["round"] for r in rows] == [1.0, 2.0] and rows[0]["global/test_acc"] != rows[1]["global/test_acc"]
+    assert rows[1]["global/test_acc"] == float(torch.tensor(correct, dtype=torch.float32) / samples)
+    assert rows[1]["global/test_loss"] == float(loss_total / samples)
