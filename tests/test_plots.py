@@ -110,23 +110,25 @@ def test_heatmap_rows_are_the_real_client_ids_and_the_colorbar_names_its_quantit
 
 def test_a_heatmap_series_draws_each_round_as_a_new_figure_would_and_builds_few(monkeypatch):
     """The class-wise heatmap of a fit reuses one figure and its layout. Each of its pictures must be
-    the one a new figure draws, pixel for pixel, as the rounds change the numbers (NaN rows of
-    clients without a class among them), the client ids, the number of rows and the ids' width; a
-    figure is built again only when the layout would change (a wider id, another row count)."""
+    the one a new figure draws, pixel for pixel, as the rounds change the numbers (NaN cells: a
+    class absent from the test subset), the client ids, the number of rows, the ids' width and the
+    title; a figure is built again only when the layout would change (a wider id, another row
+    count, a title of other letters)."""
     built = []
     figure = plots.heatmap_figure
     monkeypatch.setattr(plots, "heatmap_figure", lambda *a, **k: built.append(1) or figure(*a, **k))
     rng = np.random.default_rng(0)
     series = plots.HeatmapSeries("class", "client id", "accuracy", limits=(0.0, 1.0))
-    # (rows, lowest and highest client id, method): ids of one digit, then of two, then fewer rows,
-    # then three digits, then a title of other letters (its height is laid out: "y" reaches lower)
-    rounds = [(10, 0, 10, "FedAvg"), (10, 0, 10, "FedAvg"), (10, 10, 60, "FedAvg"), (10, 10, 60, "FedAvg"),
-              (10, 10, 60, "FedAvg"), (7, 10, 60, "FedAvg"), (10, 100, 160, "FedAvg"), (10, 100, 160, "FedDyn")]
-    for r, (rows, low, high, method) in enumerate(rounds, start=1):
+    fit = "FedAvg, mnist5k, round {}: local models' class-wise accuracy"
+    # (rows, lowest and highest client id, title): ids of one digit, then of two, then fewer rows,
+    # then three digits, then a title without tall letters (a lower title: the layout measured it)
+    rounds = [(10, 0, 10, fit), (10, 0, 10, fit), (10, 10, 60, fit), (10, 10, 60, fit), (10, 10, 60, fit),
+              (7, 10, 60, fit), (10, 100, 160, fit), (10, 100, 160, "mean accuracy")]
+    for r, (rows, low, high, title) in enumerate(rounds, start=1):
         acc = rng.random((rows, 10)) * 0.5 + 0.25 * (r % 2)  # never the whole 0..1 range
         acc[1, 3] = np.nan
         clients = sorted(rng.choice(np.arange(low, high), rows, replace=False))
-        title = f"{method}, mnist5k, round {5 * r}: local models' class-wise accuracy"
+        title = title.format(5 * r)
         got = series.image(acc, title, clients)
         expected = figure(acc, title, "class", "client id", annotate=False, quantity="accuracy",
                           row_labels=clients, log_scale=False, limits=(0.0, 1.0))
