@@ -135,6 +135,13 @@ def test_a_heatmap_series_draws_each_round_as_a_new_figure_would_and_builds_few(
         np.testing.assert_array_equal(got, plots._to_array(expected), err_msg=f"round {r}")
         assert expected.axes[0].images[0].get_clim() == (0.0, 1.0)  # the colours of two rounds compare
     assert len(built) == 5  # rounds 1, 3 (two-digit ids), 6 (7 rows), 7 (three-digit ids), 8; the rest reuse
+    # more than 60 rows are not named (the axis numbers them): still the new figure's picture
+    for r in range(2):
+        acc = rng.random((70, 10))
+        got = series.image(acc, fit.format(r), range(100, 170))
+        expected = figure(acc, fit.format(r), "class", "client id", annotate=False, quantity="accuracy",
+                          row_labels=range(100, 170), log_scale=False, limits=(0.0, 1.0))
+        np.testing.assert_array_equal(got, plots._to_array(expected), err_msg=f"70 rows, drawing {r + 1}")
 
 
 def test_heatmap_limits_are_for_a_linear_scale():
