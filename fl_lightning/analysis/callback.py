@@ -297,8 +297,8 @@ class AnalysisCallback(L.Callback):
         files["classwise_local"] = {"clients": clients, "acc": local.tolist(), "global": global_acc.tolist()}
         # No numbers in the cells (they are in analysis.json): drawing a hundred of them doubled the
         # cost of a picture drawn every few rounds, in the training loop
-        # (the same figure redrawn each time: its layout, and building it, were most of the cost;
-        # the colours span 0 to 1, so that the pictures of two rounds compare)
+        # (one figure for the fit, its unchanging parts drawn once: see plots.HeatmapSeries; the
+        # colours span 0 to 1, so that the pictures of two rounds compare)
         image = self._classwise_heatmaps.image(local.numpy(), f"{_what(trainer, round_no)}: local models' "
                                                "class-wise accuracy", row_labels=clients)
         files["classwise_local.png"] = image

@@ -22,6 +22,11 @@ from fl_lightning.atomic import atomic_write_bytes
 def _to_array(fig: Figure) -> np.ndarray:
     canvas = fig.canvas if isinstance(fig.canvas, FigureCanvasAgg) else FigureCanvasAgg(fig)
     canvas.draw()
+    return _pixels(canvas)
+
+
+def _pixels(canvas: FigureCanvasAgg) -> np.ndarray:
+    """What `canvas` holds now, as an RGB array of its own (the canvas draws on)."""
     return np.asarray(canvas.buffer_rgba())[..., :3].astype(np.uint8).copy()
 
 
@@ -68,6 +73,7 @@ def contour_figure(alphas: Sequence[float], betas: Sequence[float], values: Sequ
 
 
 MAX_HEATMAP_INCHES = 16.0  # at 80 dpi: 1,280 pixels
+MAX_NAMED_ROWS = 60  # a heatmap with more rows does not name them (the axis numbers them)
 
 
 def heatmap_image(*args, **kwargs) -> np.ndarray:
@@ -123,7 +129,7 @@ def heatmap_figure(matrix: np.ndarray, title: str, xlabel: str, ylabel: str, ann
 
 def _row_ticks(ax, row_labels: Sequence | None) -> None:
     """The rows named by `row_labels` (client ids), when there are few enough to read."""
-    if row_labels is not None and len(row_labels) <= 60:
+    if row_labels is not None and len(row_labels) <= MAX_NAMED_ROWS:
         ax.set_yticks(range(len(row_labels)), [str(r) for r in row_labels], fontsize=6 if len(row_labels) > 20 else 8)
 
 
@@ -145,26 +151,27 @@ class HeatmapSeries:
 
     def __init__(self, xlabel: str, ylabel: str, quantity: str, limits: tuple[float, float]):
         self.xlabel, self.ylabel, self.quantity, self.limits = xlabel, ylabel, quantity, limits
-        self._key: tuple | None = None
-        self._fig: Figure | None = None
+        self._key: tuple | None = None  # what the current figure's layout was made for
 
     def image(self, matrix: np.ndarray, title: str, row_labels: Sequence) -> np.ndarray:
         m = np.asarray(matrix, dtype=np.float64)
         labels = [str(r) for r in row_labels]
         # the title's height is laid out too: its letters (not its digits, which are of one height) count
         key = (m.shape, max(map(len, labels), default=0), frozenset(title) - frozenset("0123456789"))
-        if key != self._key or self._fig is None:
+        if key != self._key:
             self._key = key
             return self._new_figure(m, title, labels)
-        self._cells.set_data(np.ma.masked_invalid(m))
-        for text, label in zip(self._row_labels, labels if self._row_labels else [], strict=True):
-            text.set_text(label)
-        self._axes.title.set_text(title)
-        canvas = self._fig.canvas
+        ax = self._axes
+        ax.images[0].set_data(np.ma.masked_invalid(m))
+        if self._row_labels:
+            for text, label in zip(self._row_labels, labels, strict=True):
+                text.set_text(label)
+        ax.title.set_text(title)
+        canvas = ax.figure.canvas
         canvas.restore_region(self._background)
         for artist in self._changing:
-            self._axes.draw_artist(artist)
-        return np.asarray(canvas.buffer_rgba())[..., :3].astype(np.uint8).copy()
+            ax.draw_artist(artist)
+        return _pixels(canvas)
 
     def _new_figure(self, m: np.ndarray, title: str, labels: list[str]) -> np.ndarray:
         fig = heatmap_figure(m, title, self.xlabel, self.ylabel, annotate=False, quantity=self.quantity,
@@ -173,7 +180,7 @@ class HeatmapSeries:
         fig.set_layout_engine("none")
         ax = fig.axes[0]
         x_ticks, y_ticks = _drawn_ticks(ax.xaxis, ax.get_xlim()), _drawn_ticks(ax.yaxis, ax.get_ylim())
-        self._row_labels = [t.label1 for t in y_ticks] if len(labels) <= 60 else []  # else rows are unnamed
+        self._row_labels = [t.label1 for t in y_ticks] if len(labels) <= MAX_NAMED_ROWS else []
         # Axes.draw draws its children by zorder, ties in this order; a tick its line, then its label
         groups = [(ax.images[0].zorder, [ax.images[0]]), *((sp.zorder, [sp]) for sp in ax.spines.values()),
                   (ax.xaxis.get_zorder(), [t.tick1line for t in x_ticks]),
@@ -189,7 +196,7 @@ class HeatmapSeries:
         self._background = fig.canvas.copy_from_bbox(fig.bbox)
         for artist, alpha in zip(self._changing, alphas, strict=True):
             artist.set_alpha(alpha)
-        self._fig, self._axes, self._cells = fig, ax, ax.images[0]
+        self._axes = ax
         return image
 
 
