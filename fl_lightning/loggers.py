@@ -87,6 +87,10 @@ class FLWandbLogger(WandbLogger):
             self.flush_round()
         self._row.update(values)
 
+    def filling_round(self) -> bool:
+        """A round's history row holds values not sent yet."""
+        return bool(self._row)
+
     def flush_round(self) -> None:
         if self._row:
             row, self._row = self._row, {}

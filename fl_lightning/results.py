@@ -45,17 +45,28 @@ def _number(value: Any) -> float | None:
     return None
 
 
-def clients_table_to_wandb(trainer, round_number: int, clients: list[dict[str, float]]) -> None:
-    """The round's clients.csv rows as a W&B table `clients/table` in the round's history row."""
+# The W&B run's clients table: every CLIENTS_TABLE_EVERY_N_ROUNDS rounds and when the run ends,
+# holding the clients of the rounds since the previous one (clients.csv's rows, `round` first). A
+# W&B table is an artifact of its own, about 3.5 ms a table plus 0.08 ms a row to build and write
+# (benchmarks/core_overhead.py): one a round was 2-3% of a small model's round.
+CLIENTS_TABLE_EVERY_N_ROUNDS = 10
+
+
+def clients_table_to_wandb(trainer, rows: list[dict[str, float]], round_number: int | None = None) -> None:
+    """Rows of clients.csv (each a round report's client row with its `round`) as the W&B table
+    `clients/table`, in the history row of `round_number`; None: in the row being filled (the last
+    round's, when the run ends), else in the last row's round."""
     targets = [lg for lg in trainer.loggers if isinstance(lg, FLWandbLogger)]
-    if not targets or not clients:
+    if not targets or not rows:
         return
     import wandb
 
-    rows = [[c.get(k) for k in CLIENT_COLUMNS] for c in clients]
+    data = [[r.get(k) for k in CLIENT_FILE_COLUMNS] for r in rows]
     for logger in targets:
-        logger.add_to_round({"round": float(round_number),
-                             "clients/table": wandb.Table(columns=list(CLIENT_COLUMNS), data=rows)})
+        values: dict[str, Any] = {"clients/table": wandb.Table(columns=list(CLIENT_FILE_COLUMNS), data=data)}
+        if round_number is not None or not logger.filling_round():
+            values["round"] = float(round_number if round_number is not None else rows[-1]["round"])
+        logger.add_to_round(values)
 
 
 def read_summary(run_dir: str | Path) -> dict[str, Any]:
@@ -156,6 +167,7 @@ class ResultsCallback(L.Callback):
         self._elapsed_before = 0.0  # wall time of the run's earlier processes (resume)
         self._started = time.monotonic()
         self._lock = threading.Lock()  # the CLI's process watchdog may record a lost process
+        self._unsent_clients: list[dict[str, Any]] = []  # clients.csv rows the W&B run has not got yet
 
     @property
     def rows(self) -> list[dict[str, float]]:
@@ -193,12 +205,20 @@ class ResultsCallback(L.Callback):
                 self.table.put(row)
             if trainer.is_global_zero:
                 self._append_clients(report.round, report.clients)
-                clients_table_to_wandb(trainer, report.round, report.clients)
+                self._unsent_clients += [{"round": report.round, **c} for c in report.clients]
+                if (report.round % CLIENTS_TABLE_EVERY_N_ROUNDS == 0 or report.round >= trainer.max_epochs
+                        or trainer.should_stop):
+                    self._send_clients_table(trainer, report.round)
         self.write(trainer, pl_module)
+
+    def _send_clients_table(self, trainer, round_number: int | None = None) -> None:
+        rows, self._unsent_clients = self._unsent_clients, []
+        clients_table_to_wandb(trainer, rows, round_number)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module) -> None:
         # also when the restored checkpoint holds the last round (nothing trains): the records
         # of a run killed after its last checkpoint are completed here
+        self._send_clients_table(trainer)  # a run stopped by another callback (EarlyStopping)
         self.write(trainer, pl_module)
 
     def on_exception(self, trainer: L.Trainer, pl_module, exception: BaseException) -> None:
@@ -206,6 +226,8 @@ class ResultsCallback(L.Callback):
         if record.outcome.final:
             return  # a signal (or any error) after the run's end changes nothing
         self.ended, self.ended_reason = outcome_of_exception(exception)
+        if trainer.is_global_zero:
+            self._send_clients_table(trainer)  # the clients the W&B run has not got yet
         try:
             self.write(trainer, pl_module)
         except OSError:

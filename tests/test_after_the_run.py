@@ -157,7 +157,7 @@ def test_a_fit_on_a_terminal_shows_rounds_no_library_noise_and_where_the_results
     assert "wandb sync " + str(root / "wandb" / "offline-run-") in last
 
 
-def test_the_wandb_run_has_one_history_row_per_round_with_its_clients_table(fitted):
+def test_the_wandb_run_has_one_history_row_per_round_and_its_clients_table_at_the_end(fitted):
     """Before: about three rows a round (validation metrics, media, epoch-end metrics), so media
     carried `_step` 15, 31, 47 rather than rounds, with Lightning's `epoch` and
     `trainer/global_step` in every row and a second x-axis definition."""
@@ -171,23 +171,46 @@ def test_the_wandb_run_has_one_history_row_per_round_with_its_clients_table(fitt
     for row in rows[1:]:
         assert "global/test_acc" in row and "train/loss" in row and "local/drift_mean" in row
         assert "analysis/client_global_dist_mean" not in row  # the same number: logged once
-        assert row["clients/table/_type"] == "table-file" and row["clients/table/ncols"] == 7
     assert "analysis/surface_loss/_type" in rows[2]  # media in their round's row
-    # the clients table of each round holds clients.csv's rows of that round
+    # the run's last row holds the clients table of every round since the last table: here both
+    assert "clients/table/_type" not in rows[1]
+    assert rows[2]["clients/table/_type"] == "table-file" and rows[2]["clients/table/ncols"] == 8
     from fl_lightning.results import read_metrics
 
-    csv_rows = read_metrics(fitted / "clients.csv")
-    for row in rows[1:]:
-        table = json.loads((files[-1].parent / "files" / row["clients/table/path"]).read_text())
-        assert table["columns"] == ["client", "samples", "local_acc", "local_loss", "drift", "train_loss", "skipped"]
-        mine = [[r[c] for c in table["columns"]] for r in csv_rows if r["round"] == row["round"]]
-        assert len(mine) == 2 and [[pytest.approx(v) for v in r] for r in table["data"]] == mine
+    table = json.loads((files[-1].parent / "files" / rows[2]["clients/table/path"]).read_text())
+    assert table["columns"] == ["round", "client", "samples", "local_acc", "local_loss", "drift", "train_loss",
+                                "skipped"]
+    csv_rows = [[r[c] for c in table["columns"]] for r in read_metrics(fitted / "clients.csv")]
+    assert len(csv_rows) == 4 and [[pytest.approx(v) for v in r] for r in table["data"]] == csv_rows
     definitions = [(r.metric.name, r.metric.glob_name, r.metric.step_metric) for r in records
                    if r.WhichOneof("record_type") == "metric"]
     assert definitions == [("round", "", ""), ("", "*", "round")]
     run_record = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     config = {item.key for item in run_record.config.update}
     assert not config & {"overwrite", "ckpt_path", "weights_only"} and {"model", "data", "trainer"} <= config
+
+
+def test_the_clients_table_goes_to_wandb_every_n_rounds_with_the_rounds_since_the_last(tmp_path, monkeypatch):
+    """A W&B table is an artifact of its own (~3.5 ms); one a round was 2-3% of a small model's
+    round. Every N rounds (10; 2 here) and in the last round's row, each with the clients of the
+    rounds since the previous table: together, clients.csv."""
+    import fl_lightning.results
+    from fl_lightning.results import read_metrics
+
+    monkeypatch.setattr(fl_lightning.results, "CLIENTS_TABLE_EVERY_N_ROUNDS", 2)
+    root = tmp_path / "run"
+    assert run(["fit", *SMALL, "--trainer.max_epochs", "5", "--trainer.default_root_dir", str(root)]) == 0
+    run_dir = next((root / "wandb").glob("offline-run-*"))
+    _, rows = wandb_run_of(run_dir)
+    tables = {row["round"]: json.loads((run_dir / "files" / row["clients/table/path"]).read_text())
+              for row in rows if "clients/table/path" in row}
+    assert sorted(tables) == [2, 4, 5]
+    csv_rows = read_metrics(root / "clients.csv")
+    for last, rounds in ((2, {1, 2}), (4, {3, 4}), (5, {5})):
+        columns = tables[last]["columns"]
+        expected = [[r[c] for c in columns] for r in csv_rows if r["round"] in rounds]
+        assert len(expected) == 2 * len(rounds)
+        assert [[pytest.approx(v) for v in r] for r in tables[last]["data"]] == expected
 
 
 def cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
