@@ -27,6 +27,17 @@ def skip_next_validation(trainer) -> None:
     loop._skip_next_val = True
 
 
+def progress_bar_metrics(trainer) -> dict:
+    """The values the progress bar shows, for values published without `self.log`: Lightning
+    keeps them across epochs in `_LoggerConnector._progress_bar_metrics` (what
+    `trainer.progress_bar_metrics` returns, updated from `self.log`'s values)."""
+    connector = trainer._logger_connector
+    if not isinstance(getattr(connector, "_progress_bar_metrics", None), dict):
+        raise RuntimeError("Lightning's logger connector has no _progress_bar_metrics dict any more: "
+                           "update fl_lightning/compat.py")
+    return connector._progress_bar_metrics
+
+
 def launched_processes(trainer) -> list[tuple[int, object]]:
     """(global rank, subprocess.Popen) of the processes Lightning's launcher started from this one
     (ranks 1.. of `--trainer.strategy ddp` on this machine; none under torchrun or SLURM, whose

@@ -3,10 +3,10 @@ Lightning's validation and test loops, the round's local models on the global te
 heterogeneous client's own model on its own test split, personalised fine-tuning, and the
 analyses' per-class accuracy.
 
-`Evaluation` holds torchmetrics metrics (accuracy, mean cross-entropy; optionally per-class
-accuracy), so Lightning can log and sync them across processes (the global model's evaluation).
-`Tally` counts the same figures for an evaluation a process makes for itself, and `evaluate` runs a
-model over batches with it. One NaN policy for all of them: class scores are taken as they are (in float32),
+`Tally` counts accuracy, mean cross-entropy and (optionally) per-class accuracy the way
+torchmetrics does; `evaluate` runs a model over batches with it (an evaluation a process makes for
+itself), and `Evaluation` sums its counts over processes (the global model's evaluation, which the
+method logs). One NaN policy for all of them: class scores are taken as they are (in float32),
 so a model with NaN/inf scores gets a NaN loss, never dropped, never replaced, and the divergence
 check sees it. (A method that wants to exclude classes from its predictions, such as prediction by
 the nearest prototype among the classes that have one, gives them a large finite negative score,
@@ -24,8 +24,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchmetrics import Metric
-from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.functional.classification import multiclass_stat_scores
 
 
@@ -53,62 +51,48 @@ class EvalResult:
     class_accuracy: torch.Tensor | None = None
 
 
-class MeanLoss(Metric):
-    """The per-sample mean of a loss given as batch sums, in float64, NaN kept (never dropped).
-
-    (torchmetrics' `MeanMetric(nan_strategy="disable")`, the way to keep NaN there, replaces its
-    weights by ones in torchmetrics 1.9, which turns a weighted mean into a mean of batch means.)"""
-
-    full_state_update = False
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.add_state("total", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-        self.add_state("samples", torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
-
-    def update(self, loss_sum: torch.Tensor, samples: int) -> None:
-        self.total += loss_sum.detach().double()
-        self.samples += samples
-
-    def compute(self) -> torch.Tensor:
-        return self.total / self.samples
-
-
 class Evaluation(nn.Module):
-    """Accuracy and mean cross-entropy (and per-class accuracy with `per_class`) of class scores.
+    """The global model's evaluation in Lightning's validation and test loops: `Tally`'s counts
+    (accuracy, mean cross-entropy), summed over processes with `sync` when computed.
+
+    Its figures are those of torchmetrics' micro-averaged accuracy and a float64 mean of the
+    per-sample losses (tests/test_evaluation.py holds them equal), counted without the metric
+    objects: their update, compute and logging through `self.log` cost about 1.9 ms of a small
+    model's round, more than the evaluation's forward pass (benchmarks/core_overhead.py).
 
     Args:
         num_classes: number of classes of the scores.
-        per_class: also count per class (the analyses' class-wise accuracy).
-        sync: sum the counts of every process when computed (Lightning's logging of the global
-            model's evaluation); an evaluation one process makes for itself (a local model, a
-            client's own model) must not wait for the others.
+        sync: sum the counts of every process when computed (one all_reduce; every process must
+            compute then).
     """
 
-    def __init__(self, num_classes: int, per_class: bool = False, sync: bool = False):
+    def __init__(self, num_classes: int, sync: bool = False):
         super().__init__()
-        kw = {"validate_args": False, "sync_on_compute": sync}
-        self.accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro", **kw)
-        self.loss = MeanLoss(sync_on_compute=sync)  # a NaN loss must reach the divergence policy, not be dropped
-        self.per_class = MulticlassAccuracy(num_classes=num_classes, average="none", **kw) if per_class else None
+        self.sync = sync
+        self.tally = Tally(num_classes)
 
     def update(self, scores: torch.Tensor, y: torch.Tensor) -> None:
-        scores = scores.float()
-        self.accuracy.update(scores, y)
-        self.loss.update(F.cross_entropy(scores, y, reduction="sum"), len(y))
-        if self.per_class is not None:
-            self.per_class.update(scores, y)
+        self.tally.update(scores, y)
 
     def result(self) -> EvalResult:
         """This process's counts (what `compute` would sync is not waited for)."""
-        per_class = None if self.per_class is None else (self.per_class.tp, self.per_class.tp + self.per_class.fn)
-        return _eval_result(int(self.accuracy.tp.sum()), int((self.accuracy.tp + self.accuracy.fn).sum()),
-                            float(self.loss.total), per_class)
+        return self.tally.result()
+
+    def compute(self, strategy=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(accuracy, mean loss), summed over processes with `sync` through Lightning's `strategy`:
+        the accuracy in float32 and the loss in float64, as torchmetrics computed them."""
+        tally = self.tally
+        counts = torch.stack([torch.as_tensor(v).to("cpu", torch.float64)
+                              for v in (tally._correct, tally._samples, tally._loss_total)])
+        if self.sync and strategy is not None and strategy.world_size > 1:
+            counts = strategy.reduce(counts.to(strategy.root_device), reduce_op="sum")
+        correct, samples, loss_total = counts.cpu().unbind()
+        if not samples:
+            return torch.tensor(math.nan), torch.tensor(math.nan, dtype=torch.float64)
+        return correct.float() / samples.float(), loss_total / samples
 
     def reset(self) -> None:
-        for metric in (self.accuracy, self.loss, self.per_class):
-            if metric is not None:
-                metric.reset()
+        self.tally.reset()
 
 
 def _eval_result(correct: int, samples: int, loss_total: float,

@@ -442,20 +442,27 @@ def _update_finite(update: ServerUpdate, server: ServerState) -> bool:
     return all_finite(update.global_state or {}) and all_finite(tensors)
 
 
-def log_round_metrics(trainer, metrics: Mapping[str, float], mean_over_processes: bool = False) -> None:
+def log_round_metrics(trainer, metrics: Mapping[str, float | torch.Tensor], mean_over_processes: bool = False,
+                      progress_bar: tuple[str, ...] = ()) -> None:
     """Publishes a round's scalars, already aggregated over the round: into
     `trainer.callback_metrics` (what metrics.csv, the progress bar and monitoring callbacks read)
-    and to every logger, in the round's row. Lightning's `self.log` would aggregate each value
-    over steps and processes first, at about 0.2 ms a key: a tenth of a small model's round for
-    the 30-odd values a round logs. With `mean_over_processes` every process contributes and the
-    mean is published (one all_reduce); every process must then call it with the same keys."""
+    and to every logger, in the round's row; the keys in `progress_bar` also on the progress bar.
+    Lightning's `self.log` would aggregate each value over steps and processes first, at about
+    0.2 ms a key: a tenth of a small model's round for the 30-odd values a round logs. With
+    `mean_over_processes` every process contributes and the mean is published (one all_reduce);
+    every process must then call it with the same keys. A tensor value keeps its dtype in
+    `callback_metrics` unless averaged (the global evaluation's float32 accuracy and float64 loss)."""
     values = {k: float(v) for k, v in metrics.items()}
+    published = {k: v.detach().cpu() if torch.is_tensor(v) else torch.tensor(values[k]) for k, v in metrics.items()}
     if mean_over_processes and values:
         keys = sorted(values)
         mean = trainer.strategy.reduce(torch.tensor([values[k] for k in keys], dtype=torch.float64,
                                                     device=trainer.strategy.root_device), reduce_op="mean")
         values = dict(zip(keys, mean.cpu().tolist(), strict=True))
-    trainer.callback_metrics.update({k: torch.tensor(v) for k, v in values.items()})
+        published = {k: torch.tensor(v) for k, v in values.items()}
+    trainer.callback_metrics.update(published)
+    if progress_bar:
+        compat.progress_bar_metrics(trainer).update({k: values[k] for k in progress_bar})
     if trainer.is_global_zero:
         for logger in trainer.loggers:
             logger.log_metrics({**values, "epoch": trainer.current_epoch}, step=trainer.global_step)

@@ -1,20 +1,69 @@
-"""`Tally` (an evaluation a process makes for itself) counts exactly what `Evaluation` (the
-torchmetrics one Lightning logs and syncs) counts, NaN policy included."""
+"""`Tally` (every evaluation's counts) counts exactly what torchmetrics' metric objects count, NaN
+policy included; `Evaluation` (the global model's, which Lightning's loops run) computes from
+those counts the values torchmetrics computed, to the bit."""
 
 import math
 
 import torch
 import torch.nn.functional as F
+from torchmetrics.classification import MulticlassAccuracy
 
-from fl_lightning.evaluation import Evaluation, Tally, evaluate
+from fl_lightning.evaluation import EvalResult, Evaluation, Tally, _eval_result, evaluate
+
+
+class Torchmetrics:
+    """The reference: torchmetrics' micro and per-class accuracy objects and a float64 sum of the
+    per-sample cross-entropies (what the global evaluation logged through them before)."""
+
+    def __init__(self, num_classes: int, per_class: bool):
+        self.accuracy = MulticlassAccuracy(num_classes=num_classes, average="micro", validate_args=False)
+        self.per_class = MulticlassAccuracy(num_classes=num_classes, average="none",
+                                            validate_args=False) if per_class else None
+        self.loss_total, self.samples = torch.tensor(0.0, dtype=torch.float64), 0
+
+    def update(self, scores, y):
+        scores = scores.float()
+        self.accuracy.update(scores, y)
+        if self.per_class is not None:
+            self.per_class.update(scores, y)
+        self.loss_total += F.cross_entropy(scores, y, reduction="sum").double()
+        self.samples += len(y)
+
+    def result(self) -> EvalResult:
+        per_class = None if self.per_class is None else (self.per_class.tp, self.per_class.tp + self.per_class.fn)
+        return _eval_result(int(self.accuracy.tp.sum()), int((self.accuracy.tp + self.accuracy.fn).sum()),
+                            float(self.loss_total), per_class)
 
 
 def _both(batches, num_classes=4, per_class=True):
-    tally, metrics = Tally(num_classes, per_class), Evaluation(num_classes, per_class)
+    tally, metrics = Tally(num_classes, per_class), Torchmetrics(num_classes, per_class)
     for scores, y in batches:
         tally.update(scores, y)
         metrics.update(scores, y)
     return tally.result(), metrics.result()
+
+
+def test_the_global_evaluation_computes_torchmetrics_values_to_the_bit():
+    """Lightning logged torchmetrics' computed values: a float32 accuracy and a float64 mean loss.
+    `Evaluation.compute` gives the same tensors from its counts, and starts again after reset."""
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(n, 7, generator=g), torch.randint(0, 7, (n,), generator=g)) for n in (500, 333, 1)]
+    evaluation, reference = Evaluation(7), Torchmetrics(7, per_class=False)
+    for scores, y in batches:
+        evaluation.update(scores, y)
+        reference.update(scores, y)
+    acc, loss = evaluation.compute()
+    assert acc.dtype == torch.float32 and loss.dtype == torch.float64
+    assert torch.equal(acc, reference.accuracy.compute()) and 0 < float(acc) < 1
+    assert torch.equal(loss, reference.loss_total / reference.samples)
+    evaluation.reset()
+    evaluation.update(*batches[2])
+    acc, loss = evaluation.compute()
+    one = batches[2]
+    assert float(acc) == float((one[0].argmax(1) == one[1]).float().mean())
+    assert float(loss) == float(F.cross_entropy(one[0], one[1]).double())
+    evaluation.reset()
+    assert all(math.isnan(float(v)) for v in evaluation.compute())  # no samples: NaN, not 0
 
 
 def _same(a, b):
