@@ -206,6 +206,7 @@ class FederatedCallback(L.Callback):
                                f"not {trainer.current_epoch}")
         self._plan = plan
         self._mine = getattr(dm, "rank_plan", None) or plan  # this process's clients
+        compat.keep_validation_data(trainer)
         self._round_started = time.perf_counter()
         self._uploads: list[ClientUpload] = []
         self._rows: list[dict[str, float]] = []

@@ -145,16 +145,27 @@ def test_evaluate_a_model_in_eval_mode_and_restores_its_flags():
     assert model.training and model[1].training
 
 
-def test_each_rounds_logged_accuracy_and_loss_are_the_global_models_on_the_test_set(tmp_path):
+def test_each_rounds_logged_accuracy_and_loss_are_the_global_models_on_the_test_set(tmp_path, monkeypatch):
     """Through the CLI: round 2's `global/test_acc` and `global/test_loss` in metrics.csv are, to
     the last digit, the saved global model's on the global test set (its batches, float32
-    accuracy, float64 mean cross-entropy), so round 1's counts were not carried into round 2's."""
+    accuracy, float64 mean cross-entropy), so round 1's counts were not carried into round 2's.
+    The validation DataLoader is built once for the fit (the training one every round: each
+    round has its own clients)."""
     from test_cli import REPO, run
 
     from fl_lightning.comparison import read_metrics
     from fl_lightning.data.datamodule import FederatedDataModule
     from fl_lightning.models import build_model
 
+    built = {"train": 0, "val": 0}
+    for kind in built:
+        original = getattr(FederatedDataModule, f"{kind}_dataloader")
+
+        def counted(self, _original=original, _kind=kind):
+            built[_kind] += 1
+            return _original(self)
+
+        monkeypatch.setattr(FederatedDataModule, f"{kind}_dataloader", counted)
     root = tmp_path / "run"
     tiny = ["--data.dataset", "digits", "--model.init_args.model", "mlp", "--data.num_clients", "10",
             "--data.min_size", "5", "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
@@ -162,6 +173,8 @@ def test_each_rounds_logged_accuracy_and_loss_are_the_global_models_on_the_test_
     assert run(["fit", "--config", str(REPO / "configs/settings/mnist5k.yaml"), "--config",
                 str(REPO / "configs/methods/fedsol/fedavg.yaml"), *tiny, "--trainer.max_epochs", "2",
                 "--trainer.default_root_dir", str(root)]) == 0
+    assert built == {"train": 2, "val": 1}
+    monkeypatch.undo()
     state = torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
     data = FederatedDataModule(dataset="digits", num_clients=10, min_size=5)
     data.setup()
