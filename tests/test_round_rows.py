@@ -106,7 +106,7 @@ def test_the_results_callback_writes_each_round_in_time_that_does_not_grow_with_
 
     federation, results, rounds = FederatedCallback(), ResultsCallback(tmp_path), 300
     trainer = SimpleNamespace(callbacks=[federation, results], is_global_zero=True, loggers=[], sanity_checking=False,
-                              max_epochs=rounds, callback_metrics={})
+                              max_epochs=rounds, callback_metrics={}, should_stop=False)
     module = SimpleNamespace(accuracy_key="global/test_acc")
     for r in range(1, rounds + 1):
         trainer.callback_metrics = {"global/test_acc": torch.tensor(r / rounds),
