@@ -20,6 +20,26 @@ def test_weighted_average_equals_hand_computation():
     assert int(out["n"]) == 3  # integer buffers are not averaged
 
 
+def test_the_weighted_sum_is_the_sum_of_scaled_float64_copies_to_the_bit():
+    """The average adds w * v for a float32 v and an integer weight w in one pass (its product is
+    exact in float64); other weights (and float64 values) scale a float64 copy first. Either way
+    the sum is the one of scaled float64 copies, in client order, to the bit."""
+    g = torch.Generator().manual_seed(11)
+    for weights, dtype in (([57, 1_000_003, 3, 2**28 + 1], torch.float32), ([0.1, 1 / 3, 7.0, 2.5e-3], torch.float32),
+                           ([57, 3, 11, 5], torch.float64), ([9, 4, 2**30 + 3, 6], torch.float32)):
+        values = [torch.randn(4099, generator=g, dtype=dtype) * 10.0 ** torch.randint(-20, 20, (4099,), generator=g)
+                  for _ in weights]
+        ups = RoundUploads([ClientUpload(c, w, {"v": v}) for c, (w, v) in enumerate(zip(weights, values, strict=True))])
+        out = ups.weighted_average(lambda u: u.weights, weight=lambda u: u.num_samples)
+        expected = torch.zeros(4099, dtype=torch.float64)
+        for w, v in zip(weights, values, strict=True):
+            expected += v.to(torch.float64) * float(w)
+        # (the total weight is summed as the weights' float32 tensors were: torch.as_tensor of a float)
+        total = sum(torch.tensor(float(w), dtype=torch.float32).double() for w in weights)
+        expected = (expected / float(total)).to(dtype)
+        assert torch.equal(out["v"], expected), (weights, dtype)
+
+
 def test_fedavg_aggregate_weights_by_sample_count():
     x, y = toy_data(n=6, size=4)
     name = register_tensors(x, y)
