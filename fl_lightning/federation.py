@@ -454,14 +454,14 @@ def log_round_metrics(trainer, metrics: Mapping[str, float | torch.Tensor], mean
     every process must then call it with the same keys. A tensor value keeps its dtype in
     `callback_metrics` unless averaged (the global evaluation's float32 accuracy and float64 loss)."""
     values = {k: float(v) for k, v in metrics.items()}
-    published = {k: v.detach().cpu() if torch.is_tensor(v) else torch.tensor(values[k]) for k, v in metrics.items()}
     if mean_over_processes and values:
         keys = sorted(values)
         mean = trainer.strategy.reduce(torch.tensor([values[k] for k in keys], dtype=torch.float64,
                                                     device=trainer.strategy.root_device), reduce_op="mean")
         values = dict(zip(keys, mean.cpu().tolist(), strict=True))
-        published = {k: torch.tensor(v) for k, v in values.items()}
-    trainer.callback_metrics.update(published)
+        metrics = values
+    trainer.callback_metrics.update({k: v.detach().cpu() if torch.is_tensor(v) else torch.tensor(values[k])
+                                     for k, v in metrics.items()})
     if progress_bar:
         compat.progress_bar_metrics(trainer).update({k: values[k] for k in progress_bar})
     if trainer.is_global_zero:

@@ -47,8 +47,8 @@ def _number(value: Any) -> float | None:
 
 # The W&B run's clients table: every CLIENTS_TABLE_EVERY_N_ROUNDS rounds and when the run ends,
 # holding the clients of the rounds since the previous one (clients.csv's rows, `round` first). A
-# W&B table is an artifact of its own, about 3.5 ms a table plus 0.08 ms a row to build and write
-# (benchmarks/core_overhead.py): one a round was 2-3% of a small model's round.
+# W&B table is an artifact of its own, about 3.5 ms a table plus up to 0.08 ms a row to build and
+# write (benchmarks/round_floor.py): one a round was 2-3% of a small model's round.
 CLIENTS_TABLE_EVERY_N_ROUNDS = 10
 
 
@@ -226,8 +226,7 @@ class ResultsCallback(L.Callback):
         if record.outcome.final:
             return  # a signal (or any error) after the run's end changes nothing
         self.ended, self.ended_reason = outcome_of_exception(exception)
-        if trainer.is_global_zero:
-            self._send_clients_table(trainer)  # the clients the W&B run has not got yet
+        self._send_clients_table(trainer)  # the clients the W&B run has not got yet (rank 0 collects them)
         try:
             self.write(trainer, pl_module)
         except OSError:
