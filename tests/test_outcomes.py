@@ -72,6 +72,23 @@ def summary(root: Path) -> dict:
     return json.loads((root / "summary.json").read_text())
 
 
+def wandb_clients_tables(root: Path) -> dict[int, list[list]]:
+    """The W&B run's clients tables by the round of their row: their rows, as (round, client)."""
+    from fl_lightning.loggers import read_offline_history
+
+    run_dir = next((root / "wandb").glob("offline-run-*"))
+    rows = read_offline_history(next(run_dir.glob("run-*.wandb")), require_complete=False)
+    tables = {int(r["round"]): json.loads((run_dir / "files" / r["clients/table/path"]).read_text())
+              for r in rows if "clients/table/path" in r}
+    return {n: [[int(row[0]), int(row[1])] for row in t["data"]] for n, t in tables.items()
+            if t["columns"][:2] == ["round", "client"]}
+
+
+def clients_of(root: Path) -> list[list[int]]:
+    """clients.csv's rows as (round, client)."""
+    return [[int(r["round"]), int(r["client"])] for r in read_metrics(root / "clients.csv")]
+
+
 def assert_one_line(err: str, pattern: str) -> str:
     lines = error_lines(err)
     assert len(lines) == 1, err[-3000:]
@@ -137,6 +154,8 @@ def test_a_divergence_on_rank_1_only_ends_exactly_as_on_one_process(tmp_path):
         assert completed_rounds(saved) == 1
     assert read_metrics(tmp_path / "1" / "metrics.csv")[0]["global/test_acc"] == \
         read_metrics(tmp_path / "2" / "metrics.csv")[0]["global/test_acc"]
+    for n in (1, 2):  # round 1 was neither a 10th nor the last round: its clients go to W&B as the run ends
+        assert wandb_clients_tables(tmp_path / str(n)) == {1: clients_of(tmp_path / str(n))}
 
 
 def test_skip_client_on_two_processes_skips_the_same_client_and_runs_on(tmp_path):
@@ -268,6 +287,19 @@ def test_a_second_signal_during_the_clean_up_changes_nothing(tmp_path, first, se
                          r".*last\.ckpt: resume with the same command and --ckpt_path last")
     assert completed_rounds(torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)) == 1
     assert summary(root)["outcome"] == "interrupted"
+
+
+def test_a_signal_sends_the_clients_the_wandb_run_has_not_got_in_the_last_rows_table(tmp_path):
+    """W&B's clients table goes every 10th round; a run interrupted before that still gives its
+    W&B run the clients of its completed rounds, in the last round's row (one table a round
+    before, without a round column)."""
+    root = tmp_path / "run"
+    code, err = run(root, "--trainer.max_epochs", "4", callback("killswitch.KillSwitch", round=3, where="train",
+                                                               sig="SIGTERM"))
+    assert code == 128 + signal.SIGTERM, err[-3000:]
+    clients = clients_of(root)
+    assert sorted({r for r, _ in clients}) == [1, 2]
+    assert wandb_clients_tables(root) == {2: clients}
 
 
 # ---- a lost process ------------------------------------------------------------------------------
