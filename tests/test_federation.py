@@ -241,3 +241,7 @@ def test_every_typed_field_of_an_upload_is_checked_for_finiteness():
     assert all_finite({"w": huge}) and all_finite({"w": huge.to(torch.bfloat16)})
     assert not all_finite({"w": torch.cat([huge, torch.tensor([float("nan")])])})
     assert not all_finite({"w": torch.tensor([float("inf"), -float("inf")])})  # a sum of NaN
+    # the same across tensors: finite sums whose total overflows; an inf and a -inf in two tensors
+    assert all_finite({"a": torch.tensor([3e38]), "b": torch.tensor([3e38]), "c": torch.ones(2, dtype=torch.float64)})
+    assert not all_finite({"a": torch.tensor([float("inf")]), "b": torch.tensor([-float("inf")])})
+    assert not all_finite({"a": torch.tensor([3e38]), "b": torch.tensor([3e38, float("nan")])})

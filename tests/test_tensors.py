@@ -74,3 +74,36 @@ def test_augmented_client_batches_are_the_reference_transforms_of_its_own_sample
             expected = torch.stack([reference_sample(images[i], int(o[0]), int(o[1]), bool(f))
                                     for i, o, f in zip(idx, offsets, flips, strict=True)])
             assert torch.equal(x, expected) and torch.equal(y, torch.as_tensor(labels[idx]))
+
+
+def test_a_clients_batches_are_its_epochs_own_samples_whether_gathered_at_once_or_per_epoch(monkeypatch):
+    """One gather for all local epochs (GATHER_ONCE_BYTES) gives the same mini-batches as one per
+    epoch: each epoch's last, smaller batch stays in its epoch (7 samples in batches of 3: 3, 3, 1
+    per epoch, never a batch across two epochs)."""
+    import fl_lightning.data.datamodule as datamodule
+
+    n = 14
+    images = torch.arange(n * 4, dtype=torch.float32).view(n, 1, 2, 2)
+    labels = np.arange(n) % 10
+
+    def build(request):
+        tensors = TensorImages(images, torch.as_tensor(labels))
+        return (LabelledDataset(None, labels, lambda: tensors), LabelledDataset(None, labels, lambda: tensors))
+
+    register_dataset("float_toy", DataSpec(10, 1, 2), build)
+    dm = FederatedDataModule(dataset="float_toy", num_clients=2, sample_ratio=1.0, local_epochs=3,
+                             batch_size=3, partition="iid", min_size=1, seed=1)
+    dm.setup()
+    work = dm.plan_round(0).clients[0]
+    assert work.num_samples == 7 and work.num_steps == 9
+    gathers = []
+    take = TensorImages.take
+    monkeypatch.setattr(TensorImages, "take", lambda self, idx: gathers.append(len(idx)) or take(self, idx))
+    at_once = list(dm.minibatches(work))
+    monkeypatch.setattr(datamodule, "GATHER_ONCE_BYTES", 7 * 3 * 16 - 1)  # one byte short of 3 epochs
+    per_epoch = list(dm.minibatches(work))
+    assert gathers == [21, 7, 7, 7]
+    for batches in (at_once, per_epoch):
+        assert [len(y) for _, y in batches] == [3, 3, 1] * 3
+        for (x, y), idx in zip(batches, work.batches, strict=True):
+            assert torch.equal(x, images[idx]) and torch.equal(y, torch.as_tensor(labels[idx]))

@@ -97,8 +97,27 @@ def rank_share(batch_size: int, rank: int, world_size: int) -> slice | np.ndarra
     return slice(rank, None, world_size)
 
 
-class _WorkItems(Dataset):
-    """The round's clients as a map-style dataset: one item (one Trainer batch) per client."""
+# A client's samples for all its local epochs are gathered at once up to this many bytes (an
+# mnist5k client's 5 epochs: 1.6 MB), else one epoch at a time: each gather and split is a call
+# made cold after the previous epoch's steps (tens of microseconds each in a small model's round).
+GATHER_ONCE_BYTES = 16 << 20
+
+
+def _gather_groups(work: ClientWork, sample_bytes: int) -> list[tuple[np.ndarray, ...]]:
+    """The client's epochs' orders, grouped by the gathers that make their mini-batches."""
+    if sum(len(o) for o in work.orders) * sample_bytes <= GATHER_ONCE_BYTES:
+        return [work.orders]
+    return [(o,) for o in work.orders]
+
+
+class _WorkItems:
+    """The round's training data: one item (one Trainer batch) per client, in the plan's order.
+
+    Lightning takes any iterable with a length as training data; this one is not a torch
+    DataLoader, whose per-item bookkeeping (a profiler annotation, the sampler, the fetch and
+    collate calls) cost about 0.15 ms a client and its iterator 0.2 ms a round, i.e. 1.6 ms of an
+    overhead-bound round of 10 clients (benchmarks/core_overhead.py (i)). Nothing here is loaded:
+    each item is a `ClientWork`, and `minibatches` slices its batches on the device."""
 
     def __init__(self, plan: RoundPlan):
         self.plan = plan
@@ -108,6 +127,9 @@ class _WorkItems(Dataset):
 
     def __getitem__(self, i: int) -> ClientWork:
         return self.plan.clients[i]
+
+    def __iter__(self) -> Iterator[ClientWork]:
+        return iter(self.plan.clients)
 
 
 class _SlicedBatches(Dataset):
@@ -355,7 +377,7 @@ class FederatedDataModule(L.LightningDataModule):
             return batch
         return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> _WorkItems:
         """One item per sampled client; `training_step` runs the client's local training. When
         the round's clients train in parallel (parallel.py), each rank gets its share, balanced
         by local steps; `round_plan` stays the whole round."""
@@ -366,7 +388,7 @@ class FederatedDataModule(L.LightningDataModule):
             shares = assign_clients([c.num_steps for c in mine.clients], self.trainer.world_size)
             mine = RoundPlan(round_idx, tuple(mine.clients[i] for i in shares[self.trainer.global_rank]))
         self.rank_plan = mine
-        return DataLoader(_WorkItems(mine), batch_size=None, collate_fn=_no_collate)
+        return _WorkItems(mine)
 
     # ---- data on the device -------------------------------------------------------------------
     @property
@@ -403,11 +425,14 @@ class FederatedDataModule(L.LightningDataModule):
         if tensors.augment:
             generator = client_generator(self.hparams.seed, work.round, work.client, tensors.images.device)
         device = tensors.images.device
-        for order in work.orders:
-            # one gather per local epoch; its mini-batches are then views, not copies (split makes
-            # them in one call, a few microseconds a step less than slicing them one by one)
+        for orders in _gather_groups(work, tensors.images[:1].nbytes):
+            # one gather for the client's local epochs (or one per epoch when they would take much
+            # memory); its mini-batches are then views, not copies (split makes them in one call,
+            # a few microseconds a step less than slicing them one by one)
+            order = np.concatenate(orders) if len(orders) > 1 else orders[0]
             images, labels = tensors.take(torch.from_numpy(order).to(device))
-            for x, y in zip(images.split(work.batch_size), labels.split(work.batch_size), strict=True):
+            sizes = [min(work.batch_size, len(o) - s) for o in orders for s in range(0, len(o), work.batch_size)]
+            for x, y in zip(images.split(sizes), labels.split(sizes), strict=True):
                 if world > 1:
                     share = rank_share(len(y), rank, world)
                     share = share if isinstance(share, slice) else torch.as_tensor(share, device=device)
