@@ -131,13 +131,16 @@ class Tally:
     def update(self, scores: torch.Tensor, y: torch.Tensor) -> None:
         scores = scores.float()
         right = scores.argmax(dim=1) == y
-        self._correct = self._correct + right.sum()
+        first = not self._samples  # the first batch's counts are the counts (no adding to zeros)
+        correct = right.sum()
+        self._correct = correct if first else self._correct + correct
         if self.per_class:
             # one count by (label, right or not): the wrong ones per class, then the right ones
             wrong, hits = torch.bincount(y + self.num_classes * right, minlength=2 * self.num_classes).view(2, -1)
-            self._class_hits = self._class_hits + hits
-            self._class_support = self._class_support + wrong + hits
-        self._loss_total = self._loss_total + F.cross_entropy(scores, y, reduction="sum").double()
+            self._class_hits = hits if first else self._class_hits + hits
+            self._class_support = wrong + hits if first else self._class_support + wrong + hits
+        loss = F.cross_entropy(scores, y, reduction="sum").double()
+        self._loss_total = loss if first else self._loss_total + loss
         self._samples += len(y)
 
     def counts(self) -> torch.Tensor:

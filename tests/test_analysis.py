@@ -208,9 +208,10 @@ def test_divergence_statistics_by_hand():
 
 def test_update_gram_over_column_blocks_is_every_inner_product_exactly():
     """The Gram matrix is summed a block of GRAM_COLUMNS parameters at a time: a tensor two blocks
-    and five parameters long (a block boundary inside it, a short last block), a 0-d tensor and an
-    empty one must give every <w_i - w_g, w_j - w_g> exactly (integer updates on large weights:
-    every float64 product and sum is exact, so the reference is integer arithmetic)."""
+    and five parameters long (a block boundary inside it, a short last block), a 0-d tensor, an
+    empty one and a 2-d one of one block must give every <w_i - w_g, w_j - w_g> exactly (integer
+    updates on large weights: every float64 product and sum is exact, so the reference is integer
+    arithmetic)."""
     from fl_lightning.analysis.divergence import GRAM_COLUMNS
 
     size = 2 * GRAM_COLUMNS + 5
@@ -218,10 +219,11 @@ def test_update_gram_over_column_blocks_is_every_inner_product_exactly():
     base = rng.integers(-1000, 1000, size)
     deltas = rng.integers(-7, 8, (3, size))
     deltas[:, -5:] = [[1, 2, 3, 4, 5], [0, 0, 0, 0, 9], [-1, -1, -1, -1, -1]]  # the short last block counts
-    g = {"w": torch.tensor(base, dtype=torch.float32), "s": torch.tensor(10.0), "e": torch.zeros(0)}
-    uploads = [{"w": torch.tensor(base + d, dtype=torch.float32), "s": torch.tensor(10.0 + i), "e": torch.zeros(0)}
-               for i, d in enumerate(deltas)]
-    expected = deltas @ deltas.T + np.outer(np.arange(3), np.arange(3))
+    m = torch.arange(6.0).view(2, 3) * 100  # a 2-d tensor of one block (stacked whole, not sliced)
+    g = {"w": torch.tensor(base, dtype=torch.float32), "s": torch.tensor(10.0), "e": torch.zeros(0), "m": m}
+    uploads = [{"w": torch.tensor(base + d, dtype=torch.float32), "s": torch.tensor(10.0 + i), "e": torch.zeros(0),
+                "m": m + i * torch.tensor([[1.0, 2, 3], [4, 5, 6]])} for i, d in enumerate(deltas)]
+    expected = deltas @ deltas.T + (1 + 91) * np.outer(np.arange(3), np.arange(3))
     gram = update_gram(uploads, g)
     assert gram.dtype == torch.float64 and gram.device.type == "cpu"
     assert gram.tolist() == expected.tolist()

@@ -100,6 +100,14 @@ def test_several_batches_nan_and_inf_scores_count_as_in_torchmetrics():
     _same(tally, metrics)
     tally, metrics = _both(batches[2:])  # inf score, finite data otherwise
     _same(tally, metrics)
+    # an empty batch first (the first batch's counts are taken as they are, not added to zeros)
+    empty = (torch.zeros(0, 4, dtype=torch.float64), torch.zeros(0, dtype=torch.long))
+    counted = Tally(4, per_class=True)
+    for scores, y in [empty, *batches[2:], empty]:
+        counted.update(scores, y)
+    tally = counted.result()
+    _same(tally, metrics)  # torchmetrics' of batches[2:] alone (it refuses empty batches)
+    assert (tally.correct, tally.samples) == (int((batches[2][0].argmax(1) == batches[2][1]).sum()), 13)
 
 
 def test_the_overall_count_without_classes_is_torchmetrics_count_ties_nan_and_inf_included():

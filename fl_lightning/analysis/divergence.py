@@ -34,6 +34,10 @@ def update_gram(uploads: Sequence[Mapping[str, torch.Tensor]], global_params: Ma
     gram = torch.zeros(len(uploads), len(uploads), dtype=torch.float64, device=uploads[0][names[0]].device)
     for n in names:
         g = global_params[n].detach().reshape(-1)
+        if g.numel() <= GRAM_COLUMNS:  # one block: the same rows without slicing each upload
+            rows = torch.stack([u[n].detach() for u in uploads]).reshape(len(uploads), -1).double() - g.double()
+            gram += rows @ rows.T
+            continue
         flat = [u[n].detach().reshape(-1) for u in uploads]
         for start in range(0, g.numel(), GRAM_COLUMNS):
             end = start + GRAM_COLUMNS
