@@ -1,4 +1,5 @@
-"""Stop after round 2 and resume to round 4 gives exactly the uninterrupted 4-round model."""
+"""Stop after round 2 and resume to round 4 gives exactly the uninterrupted 4-round model, from a
+checkpoint without the local optimizer's momentum buffers."""
 
 import lightning as L
 import torch
@@ -24,6 +25,11 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     first, dm = make()
     ckpt = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0, every_n_epochs=1)
     fit(first, dm, rounds=2, callbacks=[ckpt])
+    # the round's last client's momentum buffers are not in it (every client starts from zero),
+    # its learning rate is
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["optimizer_states"]
+    assert len(saved) == 1 and saved[0]["state"] == {}
+    assert saved[0]["param_groups"][0]["lr"] == first.current_lr() and first.hparams.momentum > 0
     resumed, dm = make(seed=123)  # a different init: everything must come from the checkpoint
     trainer = fit(resumed, dm, rounds=4, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)],
                   ckpt_path=str(tmp_path / "last.ckpt"))
