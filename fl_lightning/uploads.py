@@ -97,9 +97,9 @@ def all_finite(tensors: Mapping[str, torch.Tensor] | ClientUpload) -> bool:
     floats = [t for t in values if torch.is_floating_point(t)]
     if not floats:
         return True
-    total = floats[0].sum()
+    total = floats[0].sum(dtype=torch.float32)  # 16-bit sums would overflow sooner
     for t in floats[1:]:
-        total = total + t.sum()
+        total = total + t.sum(dtype=torch.float32)
     if bool(total.isfinite()):
         return True
     return bool(torch.stack([torch.isfinite(t).all() for t in floats]).all())

@@ -245,3 +245,5 @@ def test_every_typed_field_of_an_upload_is_checked_for_finiteness():
     assert all_finite({"a": torch.tensor([3e38]), "b": torch.tensor([3e38]), "c": torch.ones(2, dtype=torch.float64)})
     assert not all_finite({"a": torch.tensor([float("inf")]), "b": torch.tensor([-float("inf")])})
     assert not all_finite({"a": torch.tensor([3e38]), "b": torch.tensor([3e38, float("nan")])})
+    half = torch.tensor([60000.0, 5000.0], dtype=torch.float16)  # finite; their total overflows float16
+    assert all_finite({"a": half, "b": half}) and not all_finite({"a": half, "b": torch.tensor([float("nan")]).half()})

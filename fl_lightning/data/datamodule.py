@@ -98,8 +98,9 @@ def rank_share(batch_size: int, rank: int, world_size: int) -> slice | np.ndarra
 
 
 # A client's samples for all its local epochs are gathered at once up to this many bytes (an
-# mnist5k client's 5 epochs: 1.6 MB), else one epoch at a time: each gather and split is a call
-# made cold after the previous epoch's steps (tens of microseconds each in a small model's round).
+# mnist5k client's 5 epochs: 1.6 MB), else one epoch at a time. Each gather and split made after
+# an epoch's steps cost far more in a run than in a loop: one gather a client instead of five took
+# ~5 ms off an overhead-bound round of 10 clients (benchmarks/core_overhead.py (i)), ~0.3 in a loop.
 GATHER_ONCE_BYTES = 16 << 20
 
 
