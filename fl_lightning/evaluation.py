@@ -73,10 +73,6 @@ class Evaluation(nn.Module):
     def update(self, scores: torch.Tensor, y: torch.Tensor) -> None:
         self.tally.update(scores, y)
 
-    def result(self) -> EvalResult:
-        """This process's counts (what `compute` would sync is not waited for)."""
-        return self.tally.result()
-
     def compute(self, strategy=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(accuracy, mean loss), summed over processes with `sync` through Lightning's `strategy`:
         the accuracy in float32 and the loss in float64, as torchmetrics computed them."""

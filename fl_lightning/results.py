@@ -204,8 +204,9 @@ class ResultsCallback(L.Callback):
             with self._lock:
                 self.table.put(row)
             if trainer.is_global_zero:
-                self._append_clients(report.round, report.clients)
-                self._unsent_clients += [{"round": report.round, **c} for c in report.clients]
+                rows = [{"round": report.round, **c} for c in report.clients]
+                self._append_clients(rows)
+                self._unsent_clients += rows
                 if (report.round % CLIENTS_TABLE_EVERY_N_ROUNDS == 0 or report.round >= trainer.max_epochs
                         or trainer.should_stop):
                     self._send_clients_table(trainer, report.round)
@@ -283,12 +284,13 @@ class ResultsCallback(L.Callback):
     def _clients_path(self) -> Path:
         return self.run_dir / "clients.csv"
 
-    def _append_clients(self, round_number: int, clients: list[dict[str, float]]) -> None:
+    def _append_clients(self, rows: list[dict[str, Any]]) -> None:
+        """Appends a round's client rows (each with its `round`) to clients.csv."""
         path = self._clients_path()
         new = not path.exists()
-        rows = [{"round": round_number, **{k: c.get(k, "") for k in CLIENT_COLUMNS}} for c in clients]
+        cells = [{k: r.get(k, "") for k in CLIENT_FILE_COLUMNS} for r in rows]
         with open(path, "a", newline="") as f:
-            f.write(_csv_text(CLIENT_FILE_COLUMNS, rows, header=new))
+            f.write(_csv_text(CLIENT_FILE_COLUMNS, cells, header=new))
             f.flush()
             os.fsync(f.fileno())
 

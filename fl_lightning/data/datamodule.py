@@ -126,9 +126,6 @@ class _WorkItems:
     def __len__(self) -> int:
         return len(self.plan.clients)
 
-    def __getitem__(self, i: int) -> ClientWork:
-        return self.plan.clients[i]
-
     def __iter__(self) -> Iterator[ClientWork]:
         return iter(self.plan.clients)
 

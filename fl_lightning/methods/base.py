@@ -314,11 +314,11 @@ class FederatedMethod(L.LightningModule):
 
     def _drop_local_optimizer_state(self) -> None:
         """The round's last client's momentum buffers are of no use: the next client starts from
-        zero (`reset_optimizer_state`). Dropped when the round ends, they stay out of the round
-        checkpoint (as many bytes as the model's parameters: half of an `mlp` checkpoint) and out
-        of memory between rounds."""
+        zero. Dropped when the round ends, they stay out of the round checkpoint (as many bytes as
+        the model's parameters: half of an `mlp` checkpoint) and out of memory between rounds.
+        (No local optimizer before fit's training starts.)"""
         if self._local_optimizer is not None:
-            self._local_optimizer.state.clear()
+            self.reset_optimizer_state()
 
     def local_model_stats(self, test_loader: Callable[[], Iterable], per_class: bool = False) -> dict[str, float]:
         """Called right after `client_end`: measures of the client's just-trained model for the
