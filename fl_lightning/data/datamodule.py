@@ -449,15 +449,23 @@ class FederatedDataModule(L.LightningDataModule):
         return DataLoader(dataset, batch_size=self.hparams.eval_batch_size, shuffle=False,
                           num_workers=self.hparams.num_workers)
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> Iterable:
         # The papers evaluate the global model on the full test set every round; there is no
         # separate validation split in their protocol. Every process evaluates the whole test set
         # (with clients in parallel they all hold the same global model): the logged values are
         # then exactly the one-process run's.
-        return self._eval_loader(self.test_set)
+        return self._global_test_batches()
 
-    def test_dataloader(self) -> DataLoader:
-        return self._eval_loader(self.test_set)
+    def test_dataloader(self) -> Iterable:
+        return self._global_test_batches()
+
+    def _global_test_batches(self) -> Iterable:
+        """The test set's batches for Lightning's validation and test loops: when already sliced
+        on the device, as they are (Lightning takes any iterable with a length; a DataLoader's
+        iterator, made anew every round, and its fetch of each batch cost 0.2 ms of a small
+        model's round in benchmarks/core_overhead.py (i)), else a DataLoader."""
+        loader = self._eval_loader(self.test_set)
+        return loader.dataset if isinstance(loader.dataset, _SlicedBatches) else loader
 
     @staticmethod
     def batches_of(loader: DataLoader) -> Iterable:

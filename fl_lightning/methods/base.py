@@ -68,7 +68,7 @@ from fl_lightning.fedconst import CONSTRAINT_MODES, ChannelConstraint, constrain
 from fl_lightning.federation import log_round_metrics
 from fl_lightning.models import FLModel, build_model
 from fl_lightning.parallel import ClientParallelStrategy, clients_in_parallel
-from fl_lightning.state import ServerState, State, WorkingCopies
+from fl_lightning.state import ServerState, State, WorkingCopies, state_loader
 from fl_lightning.uploads import ClientUpload, RoundUploads, ServerUpdate
 
 
@@ -566,6 +566,7 @@ class SharedModelMethod(FederatedMethod):
         self.val_eval = Evaluation(spec.num_classes, sync=True)
         self.test_eval = Evaluation(spec.num_classes, sync=True)
         self.global_weights: dict[str, torch.Tensor] | None = None
+        self._load_global_weights: Callable[[], None] | None = None  # set with global_weights
         self._personal: list[str] | None = None
 
     def build_network(self, name: str, spec: DataSpec) -> FLModel:
@@ -590,6 +591,7 @@ class SharedModelMethod(FederatedMethod):
     def round_start(self, round_idx: int, clients: list[int]) -> None:
         super().round_start(round_idx, clients)
         self.global_weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        self._load_global_weights = state_loader(self.model, self.global_weights)  # once per client
         if self.needs_global_model:
             # eval(): a teacher's output should not depend on BN batch mode or dropout draws
             self.copies.get("teacher", self.model, self.global_weights, self.device)
@@ -611,7 +613,7 @@ class SharedModelMethod(FederatedMethod):
     def client_start(self, client: int, num_samples: int) -> None:
         self.current_client, self.current_num_samples = client, num_samples
         self.seed_client(client)
-        self.model.load_state_dict(self.global_weights)
+        self._load_global_weights()
         if self.personal:
             self.load_model_part(self.personal_state(client))
         self.reset_optimizer_state()
