@@ -2,6 +2,7 @@
 
 import copy
 import functools
+import math
 
 import numpy as np
 import pytest
@@ -139,6 +140,32 @@ def test_fit_runs_every_sampled_client_and_resets_momentum(monkeypatch, model):
     fit(method, dm, rounds=2)
     assert [s[0] for s in starts] == [0, 1, 2, 0, 1, 2]
     assert all(n_state == 0 and fresh and not walked for _, n_state, fresh, walked in starts)
+
+
+def test_a_client_starts_from_and_drifts_from_the_round_start_in_the_tensors_the_model_has_now():
+    """The round start binds the global weights to the model's tensors once; a conversion that
+    gives the module new tensors (here its batch-norm buffers, through .double().float()) must
+    not leave clients loading into, or measuring, the old ones."""
+    x, y = toy_data(n=24, size=4)
+    dm = FederatedDataModule(dataset=register_tensors(x, y), num_clients=2, sample_ratio=1.0, local_epochs=1,
+                             batch_size=8, partition="iid", min_size=1)
+    method = FedAvg(model="mlp_bn", data_spec=dm.spec)
+    fit(method, dm, rounds=1)
+    method.round_start(1, [0, 1])
+    buffer = next(k for k in method.global_weights if k.endswith("running_mean"))
+    old = method.model.state_dict()[buffer]
+    method.double().float()
+    now = method.model.state_dict()[buffer]
+    assert now.data_ptr() != old.data_ptr()
+    now.add_(5.0)
+    method.client_start(0, 12)
+    assert torch.equal(method.model.state_dict()[buffer], method.global_weights[buffer])
+    with torch.no_grad():
+        for i, p in enumerate(method.model.parameters()):
+            p.add_(0.01 * (i + 1))
+    moved = {n: p.detach() - method.global_weights[n] for n, p in method.model.named_parameters()}
+    expected = math.sqrt(sum(float((d.double() ** 2).sum()) for d in moved.values()))
+    assert method.client_end().stats["drift"] == pytest.approx(expected, rel=1e-6)
 
 
 class _Counted(nn.Linear):
