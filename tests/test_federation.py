@@ -4,6 +4,7 @@ import copy
 import functools
 import math
 
+import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -11,6 +12,7 @@ from fl_test_utils import assert_same_tensors, fit, register_tensors, server_rou
 from torch import nn
 
 from fl_lightning.data.datamodule import FederatedDataModule, sample_clients
+from fl_lightning.federation import federation_of
 from fl_lightning.methods import FedAvg
 from fl_lightning.state import state_loader
 from fl_lightning.uploads import ClientUpload, RoundUploads
@@ -140,6 +142,36 @@ def test_fit_runs_every_sampled_client_and_resets_momentum(monkeypatch, model):
     fit(method, dm, rounds=2)
     assert [s[0] for s in starts] == [0, 1, 2, 0, 1, 2]
     assert all(n_state == 0 and fresh and not walked for _, n_state, fresh, walked in starts)
+
+
+def test_each_clients_train_loss_is_the_batch_weighted_mean_of_its_own_steps(monkeypatch):
+    """clients.csv's train_loss: each client's own local steps (tail batches weigh less), in
+    every round, though the means are taken when the round ends."""
+    x, y = toy_data(n=30, size=4)
+    dm = FederatedDataModule(dataset=register_tensors(x, y), num_clients=3, sample_ratio=1.0, local_epochs=2,
+                             batch_size=4, partition="iid", min_size=1)  # 10 samples a client: 4, 4, 2
+    method = FedAvg(model="mlp", data_spec=dm.spec)
+    steps = []
+    original = FedAvg.minibatch_step
+
+    def spy(self, batch):
+        loss = original(self, batch)
+        steps.append((self.round_idx, self.current_client, float(loss), len(batch[1])))
+        return loss
+
+    class Rows(L.Callback):
+        rows = []
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            self.rows += [(pl_module.round_idx, r) for r in federation_of(trainer).round_report.clients]
+
+    monkeypatch.setattr(FedAvg, "minibatch_step", spy)
+    fit(method, dm, rounds=2, eval_local_models=True, callbacks=[Rows()])
+    assert len(Rows.rows) == 6 and {len([s for s in steps if s[:2] == (r, c)]) for r in (0, 1) for c in range(3)} == {6}
+    for round_idx, row in Rows.rows:
+        own = [(loss, n) for r, c, loss, n in steps if (r, c) == (round_idx, row["client"])]
+        assert sorted(n for _, n in own) == [2, 2, 4, 4, 4, 4]
+        assert row["train_loss"] == pytest.approx(sum(v * n for v, n in own) / sum(n for _, n in own), rel=1e-12)
 
 
 def test_a_client_starts_from_and_drifts_from_the_round_start_in_the_tensors_the_model_has_now():

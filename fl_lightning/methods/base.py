@@ -422,14 +422,16 @@ class FederatedMethod(L.LightningModule):
         """Where `log_local`'s records stand now (for `local_log_means` of one client)."""
         return {key: len(values) for key, (values, _) in self._local_logs.items()}
 
-    def local_log_means(self, since: dict[str, int]) -> dict[str, float]:
-        """The batch-size-weighted means of what `log_local` recorded after `since` (one client's
-        local training: its row in the round's per-client table)."""
+    def local_log_means(self, since: dict[str, int], until: dict[str, int] | None = None) -> dict[str, float]:
+        """The batch-size-weighted means of what `log_local` recorded after `since` and up to
+        `until` (positions from `local_log_position`; None: up to now), e.g. one client's local
+        training: its row in the round's per-client table."""
         out = {}
         for key, (values, sizes) in self._local_logs.items():
             start = since.get(key, 0)
-            if len(values) > start:
-                total, weight = _weighted_sum(values[start:], sizes[start:])
+            end = len(values) if until is None else until.get(key, 0)
+            if end > start:
+                total, weight = _weighted_sum(values[start:end], sizes[start:end])
                 out[key] = total / weight
         return out
 
