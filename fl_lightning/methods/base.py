@@ -143,9 +143,8 @@ def _weighted_sum(values: list, sizes: list[int]) -> tuple[float, float]:
     """(sum of value * size, sum of sizes) in float64, with one device sync for all values."""
     stacked = torch.as_tensor([float(v) for v in values], dtype=torch.float64) if not all(
         isinstance(v, torch.Tensor) for v in values) else torch.stack(values).double().cpu()
-    # numpy reads a list of ints a third as fast as torch.as_tensor; the sizes' sum is exact in
-    # Python as in float64 (integers): together 22 -> 16 us for a client's 40 steps, in a call
-    # made after every client, where the caches are cold and each operation costs more
+    # numpy reads a list of ints in under half the time torch.as_tensor takes, and the sizes'
+    # sum is exact in Python as in float64 (integers): 22 -> 16 us for a client's 40 steps
     weights = torch.from_numpy(np.asarray(sizes, dtype=np.float64))
     return float((stacked * weights).sum()), float(sum(sizes))
 
