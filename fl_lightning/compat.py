@@ -96,6 +96,26 @@ def disarm_child_process_observer() -> None:
             thread._terminate_all = lambda: None
 
 
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def destroy_process_group_at_exit() -> None:
+    """Destroys the default process group when the interpreter exits, before it finalizes (once
+    per process, however often called). Lightning does this for NCCL only; a gloo group left to
+    the interpreter's teardown can have its worker threads destroyed while still joinable, which
+    aborts the process ("terminate called without an active exception", exit code -6) after a
+    run that finished: 8 of 30 two-process exits of a script of 200 all_reduces on a loaded
+    machine here, 0 of 30 with the group destroyed first."""
+    import atexit
+
+    atexit.unregister(_destroy_process_group)  # registered once, also in a process that cleared atexit
+    atexit.register(_destroy_process_group)
+
+
 def set_collective_timeout(strategy, seconds: float) -> None:
     """The timeout of the process group a DDP strategy creates (`DDPStrategy._timeout`, read when
     the group is initialised)."""

@@ -156,6 +156,8 @@ class FederatedCallback(L.Callback):
 
     # ---- set-up -------------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module, stage: str) -> None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            compat.destroy_process_group_at_exit()  # the strategy has just made it
         # The module in the precision's dtype before a checkpoint is restored into it: Lightning
         # restores first and converts later, so a float64 (64-true) checkpoint would be rounded
         # through float32 parameters and buffers on every resume, validate and test.

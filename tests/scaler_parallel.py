@@ -5,11 +5,14 @@ for tests/test_grad_scaler.py:
 
 Rank 0 writes OUT/<method>_<scaled|plain>.pt: every client's kept state and the global state
 gathered to rank 0 (each process holds the clients it trained), the final scale, the world size;
-and OUT/overflow_scalers.pt: every rank's scaler state after a step that overflowed on rank 1 only.
+and OUT/overflow_scalers.pt: every rank's scaler state after a step that overflowed on rank 1 only;
+every rank OUT/process_group_at_exit_<rank>.txt: whether its process group outlived the exit functions.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
 import sys
 from pathlib import Path
 
@@ -66,5 +69,14 @@ def overflow_on_one_rank(out: Path) -> None:
         torch.save(states, out / "overflow_scalers.pt")
 
 
+def record_process_group_at_exit(out: Path) -> None:
+    """Registered before anything else, so it runs last at exit: whether the process group is still
+    there for the interpreter's teardown (where gloo's threads can abort a finished process)."""
+    rank = os.environ["RANK"]
+    atexit.register(lambda: (out / f"process_group_at_exit_{rank}.txt").write_text(
+        str(torch.distributed.is_initialized())))
+
+
 if __name__ == "__main__":
+    record_process_group_at_exit(Path(sys.argv[1]))
     main(Path(sys.argv[1]))
