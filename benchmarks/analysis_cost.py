@@ -105,7 +105,7 @@ def main() -> None:
     fixed = None
     if args.ckpt:
         fixed = FedSOL(data_spec=dm.spec, **DEMO_METHOD)
-        fixed.load_state_dict(torch.load(args.ckpt, map_location="cpu", weights_only=False)["state_dict"])
+        fixed.load_state_dict(torch.load(args.ckpt, map_location="cpu", weights_only=True)["state_dict"])
         fixed = fixed.model
 
     def objective(model):

@@ -49,7 +49,7 @@ def main() -> None:
     dm.setup()
     global_model = build_model("fedavg_cnn", dm.spec)
     if args.ckpt:
-        state = torch.load(args.ckpt, map_location="cpu", weights_only=False)["state_dict"]
+        state = torch.load(args.ckpt, map_location="cpu", weights_only=True)["state_dict"]
         global_model.load_state_dict({k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")})
     global_model.eval()
     w_g = {n: p.detach().clone() for n, p in global_model.named_parameters()}

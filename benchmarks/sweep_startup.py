@@ -74,8 +74,8 @@ def main() -> None:
         records = [json.loads(p.read_text()) for p in (root / "warm" / "s" / ".sweep").glob("seed*.json")]
         per_run.append(statistics.median(r["ended"] - r["started"] for r in records))
         for seed in range(args.runs):
-            a = torch.load(root / "warm" / "s" / f"seed={seed}" / "checkpoints" / "last.ckpt", weights_only=False)
-            b = torch.load(root / "cold" / f"seed={seed}" / "checkpoints" / "last.ckpt", weights_only=False)
+            a = torch.load(root / "warm" / "s" / f"seed={seed}" / "checkpoints" / "last.ckpt", weights_only=True)
+            b = torch.load(root / "cold" / f"seed={seed}" / "checkpoints" / "last.ckpt", weights_only=True)
             same &= all(torch.equal(a["state_dict"][k], b["state_dict"][k]) for k in a["state_dict"])
         shutil.rmtree(root)
     w, c = statistics.median(times["warm"]), statistics.median(times["cold"])

@@ -11,6 +11,11 @@
 - `load_checkpoint_file`, `check_compatible` and `verify_client_state_files` read a checkpoint
   given as `--ckpt_path` before Lightning does, and turn an unreadable, foreign or older file, or a
   damaged client-state file it names, into one line.
+- A checkpoint is data, never code: every read (ours and Lightning's, through `AtomicCheckpointIO`)
+  unpickles with `weights_only=True`, which admits tensors, numbers, strings, plain containers and
+  the few project types listed in `SAFE_GLOBALS`. A file carrying anything else (an object whose
+  unpickling would call a function, a class of another program) is refused before any of it runs:
+  checkpoints are shared between colleagues and downloaded from W&B.
 - A run that a decision stopped in the middle of a round (divergence before the server step) has
   no new round to save: `RoundCheckpoint` records the outcome in the last completed round's file
   instead (`stamp_callback_state`), so a resume knows the run is over.
@@ -19,7 +24,10 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
+import pickle
+import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,22 +35,58 @@ from typing import Any
 
 import lightning as L
 import torch
+import yaml
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.utilities import rank_zero_info
 
 from fl_lightning.atomic import atomic_write_bytes
 from fl_lightning.client_store import ClientStateStore
+from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
 
 log = logging.getLogger(__name__)
 LAST = "last.ckpt"
 FORMAT = 3  # checkpoint["fl_format"]: 3 = server state in the state_dict, checked client-state files
 
+# The project types a checkpoint may hold beside tensors, numbers, strings and plain containers: the
+# method's hyperparameters carry the data's shape as a DataSpec. Registered here, the one place.
+SAFE_GLOBALS = (DataSpec,)
+torch.serialization.add_safe_globals(list(SAFE_GLOBALS))
+
+
+def read_checkpoint(path: str | Path, map_location: Any = "cpu") -> Any:
+    """The object a checkpoint file holds, unpickled as data only (`weights_only=True`): a file
+    whose pickle names any other global raises `UnsafeCheckpointError` and nothing in it runs."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:
+        name = _forbidden_global(str(err))
+        if name is None:
+            raise
+        raise UnsafeCheckpointError(name) from None
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint's pickle asks for a Python object (`name`) that is not data."""
+
+    def __init__(self, name: str):
+        super().__init__(name)
+        self.name = name
+
+
+def _forbidden_global(message: str) -> str | None:
+    """The global torch's weights-only unpickler refused, from its message (None: another error)."""
+    if "Weights only load failed" not in message:
+        return None
+    found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) ([\w.]+)", message)
+    return found.group(1) if found else "unnamed"
+
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Atomic writes; and a save requested mid-round (by anything but the round checkpoint) gets
-    the last completed round's file, see `RoundCheckpoint`."""
+    """Atomic writes; a save requested mid-round (by anything but the round checkpoint) gets the
+    last completed round's file, see `RoundCheckpoint`; and every load is data only, whatever
+    `--weights_only` asked for (see `read_checkpoint`)."""
 
     def __init__(self, rounds: RoundCheckpoint | None = None):
         super().__init__()
@@ -61,6 +105,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             torch.save(checkpoint, buffer)
             data = buffer.getvalue()
         atomic_write_bytes(path, data)
+
+    def load_checkpoint(self, path, map_location: Any | None = None, weights_only: bool | None = None) -> dict:
+        return read_checkpoint(path, map_location)
 
 
 class RoundCheckpoint(Checkpoint):
@@ -136,7 +183,7 @@ class RoundCheckpoint(Checkpoint):
 
 def stamp_callback_state(path: Path, state_key: str, state: dict) -> None:
     """Rewrites the checkpoint at `path` (atomically) with a callback's new state, nothing else."""
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    checkpoint = read_checkpoint(path)
     checkpoint.setdefault("callbacks", {})[state_key] = state
     buffer = io.BytesIO()
     torch.save(checkpoint, buffer)
@@ -168,7 +215,11 @@ def load_checkpoint_file(path: str | Path) -> dict[str, Any]:
         raise FLUserError(f"--ckpt_path {path}: the file is empty (0 bytes); resume from another checkpoint or "
                           f"start a new run")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = read_checkpoint(path)
+    except UnsafeCheckpointError as err:
+        raise FLUserError(f"--ckpt_path {path}: refused: the file holds a Python object ({err.name}), not data; "
+                          f"fl-lightning opens only checkpoints of tensors, numbers, strings and plain containers "
+                          f"(nothing in the file was run)") from None
     except Exception as err:  # torch raises many types for damaged files (EOFError, RuntimeError, ...)
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise FLUserError(f"--ckpt_path {path}: not a readable checkpoint ({type(err).__name__}: {reason[:120]}); "
@@ -233,4 +284,58 @@ def check_compatible(path: str | Path, state: Mapping[str, Any], model_cfg: Any,
     if diffs:
         more = f" (and {len(diffs) - 2} more)" if len(diffs) > 2 else ""
         raise FLUserError(f"--ckpt_path {path}: the checkpoint is of a different experiment: {'; '.join(diffs[:2])}"
-                          f"{more}; only trainer options such as max_epochs may change on resume")
+                          f"{more}; only run length, devices, logging and analyses may change on resume")
+
+
+# Options of a fit that may differ when it resumes: how long it runs, where and on how many
+# processes it runs, and what it logs or analyses beside the rounds. Every other option (the
+# method, the data, the federation's decisions, precision, clipping, seeds) must be the run's own,
+# so that one run directory is one experiment and its config.yaml tells how every round was run.
+RESUMABLE_OPTIONS = (
+    "ckpt_path", "overwrite", "weights_only",
+    "trainer.max_epochs", "trainer.max_time", "trainer.max_steps", "trainer.accelerator", "trainer.devices",
+    "trainer.num_nodes", "trainer.strategy", "trainer.plugins", "trainer.logger", "trainer.callbacks",
+    "trainer.enable_progress_bar", "trainer.enable_model_summary", "trainer.enable_checkpointing",
+    "trainer.default_root_dir", "trainer.log_every_n_steps", "trainer.profiler",
+    *(f"data.{key}" for key in sorted(RESUMABLE_DATA_OPTIONS)),
+    "federation.parallel", "federation.client_cache_size", "federation.collective_timeout",
+    "analysis",
+)
+
+
+def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, Mapping):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(_flat(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def _may_change_on_resume(key: str) -> bool:
+    return any(key == option or key.startswith(option + ".") for option in RESUMABLE_OPTIONS)
+
+
+def check_resume_options(path: str | Path, run_config: Path, requested_yaml: str) -> None:
+    """Refuse a resume that changes an option which changes results (see `RESUMABLE_OPTIONS`):
+    the run's config.yaml would otherwise be rewritten with the new value, and the record would no
+    longer show that the earlier rounds ran without it. `requested_yaml` is the requested config
+    as the fit writes config.yaml."""
+    if not run_config.is_file():
+        return  # a checkpoint carried away from its run: check_compatible has checked what it holds
+    try:
+        saved = _flat(yaml.safe_load(run_config.read_text()) or {})
+    except (OSError, yaml.YAMLError) as err:
+        raise FLUserError(f"--ckpt_path {path}: the run's {run_config} cannot be read ({type(err).__name__}); "
+                          f"the resume is checked against it") from None
+    requested = _flat(yaml.safe_load(requested_yaml) or {})
+    changed = [key for key in sorted(set(saved) | set(requested))
+               if not _may_change_on_resume(key) and saved.get(key) != requested.get(key)]
+    if changed:
+        key = changed[0]
+        more = f" (and {len(changed) - 1} more: {', '.join(changed[1:4])})" if len(changed) > 1 else ""
+        was, now = (json.dumps(cfg.get(key), default=str) for cfg in (saved, requested))
+        raise FLUserError(f"--ckpt_path {path}: --{key} is {was} in the run ({run_config}), requested {now}{more}; "
+                          f"an option that changes results cannot change on resume: resume with the run's own "
+                          f"value, or start a new run in another directory (only run length, devices, logging "
+                          f"and analyses may change)")

@@ -52,6 +52,7 @@ from fl_lightning.checkpointing import (
     AtomicCheckpointIO,
     RoundCheckpoint,
     check_compatible,
+    check_resume_options,
     completed_rounds,
     load_checkpoint_file,
     verify_client_state_files,
@@ -202,6 +203,10 @@ class FLCLI(LightningCLI):
                               "set --federation.parallel clients (or --trainer.devices 1)")
         self._overwrite = bool(cfg.get("overwrite"))
         cfg["overwrite"] = False  # not saved into config.yaml: re-running that file must not wipe this run
+        if self.subcommand == "fit" and cfg.get("ckpt_path"):
+            ckpt = Path(cfg["ckpt_path"])
+            check_resume_options(ckpt, ckpt.parent.parent / "config.yaml",
+                                 self._parser(self.subcommand).dump(cfg, skip_none=False))
 
     @staticmethod
     def _check_client_parallelism(cfg) -> None:

@@ -183,7 +183,7 @@ def test_each_rounds_logged_accuracy_and_loss_are_the_global_models_on_the_test_
                 "--trainer.default_root_dir", str(root)]) == 0
     assert built == {"train": 2, "val": 1}
     monkeypatch.undo()
-    state = torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    state = torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
     data = FederatedDataModule(dataset="digits", num_clients=10, min_size=5)
     data.setup()
     model = build_model("mlp", data.spec)

@@ -18,7 +18,7 @@ TINY = [*FLOAT64, "--federation.eval_local_models", "false"]
 
 
 def model_weights(ckpt) -> dict[str, torch.Tensor]:
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
+    state = torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
     return {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
 
 

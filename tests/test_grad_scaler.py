@@ -197,7 +197,7 @@ def test_an_overflowing_step_is_skipped_and_the_scale_lowered_and_a_resume_keeps
     assert trainer.precision_plugin.scaler.get_scale() == 2.0**15  # halved once
     after = params(method)
     assert all(torch.equal(after[k], start[k]) for k in start)  # the only step was skipped
-    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
     assert saved["MixedPrecision"]["scale"] == 2.0**15  # the scaler's state is in the checkpoint
     # resumed with a new scaler at 2**16: it continues from the checkpoint's 2**15 (no overflow in
     # round 2, far from the 2,000 steps after which it would grow), and round 2 steps
@@ -245,12 +245,12 @@ def test_clients_in_parallel_on_two_processes_step_the_same_under_the_scaler(tmp
                           capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     for name in ("FedAvg", "SCAFFOLD", "Ditto"):
-        scaled, plain = (torch.load(tmp_path / f"{name}_{kind}.pt", weights_only=False) for kind in ("scaled", "plain"))
+        scaled, plain = (torch.load(tmp_path / f"{name}_{kind}.pt", weights_only=True) for kind in ("scaled", "plain"))
         assert scaled["scale"] == 2.0**16 and scaled["world_size"] == 2 and scaled["states"]
         assert_same_states(scaled["states"], plain["states"])
     # a step that overflowed on rank 1 alone: both processes end the round with rank 1's lowered
     # scale (the checkpoint holds rank 0's scaler, so they must agree for a resume to continue alike)
-    rank0, rank1 = torch.load(tmp_path / "overflow_scalers.pt", weights_only=False)
+    rank0, rank1 = torch.load(tmp_path / "overflow_scalers.pt", weights_only=True)
     assert rank1["scale"] == 2.0**15 and rank0 == rank1
     # the gloo group is destroyed at exit, not left to the interpreter's teardown, which aborted a
     # finished process now and then on a loaded machine (exit -6, "terminate called ...")

@@ -160,7 +160,7 @@ def test_resume_restores_every_client_model(tmp_path):
     resumed = method(dm)
     torch.manual_seed(123)  # a different RNG state must not matter
     resumed.build_client_models(3)  # fresh weights, to be overwritten by the checkpoint
-    resumed.on_load_checkpoint(torch.load(ckpt, weights_only=False))
+    resumed.on_load_checkpoint(torch.load(ckpt, weights_only=True))
     for a, b in zip(first.client_models, resumed.client_models, strict=True):
         for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
             assert ka == kb and torch.equal(va, vb), ka

@@ -150,7 +150,7 @@ def test_a_divergence_on_rank_1_only_ends_exactly_as_on_one_process(tmp_path):
         assert record["reason"] == line.removeprefix("error: ") and record["rounds_completed"] == 1
     assert read_outcome(tmp_path / "2") is Outcome.DIVERGED
     for n in (1, 2):  # round 1 is saved, the diverged round 2 is not
-        saved = torch.load(tmp_path / str(n) / "checkpoints" / "last.ckpt", weights_only=False)
+        saved = torch.load(tmp_path / str(n) / "checkpoints" / "last.ckpt", weights_only=True)
         assert completed_rounds(saved) == 1
     assert read_metrics(tmp_path / "1" / "metrics.csv")[0]["global/test_acc"] == \
         read_metrics(tmp_path / "2" / "metrics.csv")[0]["global/test_acc"]
@@ -285,7 +285,7 @@ def test_a_second_signal_during_the_clean_up_changes_nothing(tmp_path, first, se
     assert code == 128 + getattr(signal, first), err[-3000:]
     assert_one_line(err, rf"error: interrupted by {first} in round 2/3; 1 completed round\(s\) are saved in "
                          r".*last\.ckpt: resume with the same command and --ckpt_path last")
-    assert completed_rounds(torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)) == 1
+    assert completed_rounds(torch.load(root / "checkpoints" / "last.ckpt", weights_only=True)) == 1
     assert summary(root)["outcome"] == "interrupted"
 
 
@@ -371,7 +371,7 @@ def test_a_fault_of_a_two_process_run_ends_in_one_line_and_no_process_stays(tmp_
     else:
         assert_one_line(err, pattern)
     assert summary(root)["outcome"] == outcome
-    saved = completed_rounds(torch.load(root / "checkpoints" / "last.ckpt", weights_only=False))
+    saved = completed_rounds(torch.load(root / "checkpoints" / "last.ckpt", weights_only=True))
     assert saved == (2 if outcome == "finished" else 1)
 
 
@@ -397,7 +397,7 @@ def test_a_signal_during_the_round_checkpoint_write_says_which_round_is_saved(tm
     assert code == 143, err[-3000:]
     assert_one_line(err, rf"error: interrupted by SIGTERM in round 2/3; {SAVED_1}: resume with the same command and "
                          r"--ckpt_path last")
-    assert completed_rounds(torch.load(root / "checkpoints" / "last.ckpt", weights_only=False)) == 1
+    assert completed_rounds(torch.load(root / "checkpoints" / "last.ckpt", weights_only=True)) == 1
     assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["last.ckpt"]
 
 
@@ -449,7 +449,7 @@ def test_a_disk_that_refuses_writes_ends_in_one_line(tmp_path, error, at):
         assert [r["round"] for r in read_metrics(root / "metrics.csv")] == [1, 2, 3]
         code, err = finish(straight)
         assert code == 0, err[-3000:]
-        resumed, reference = (torch.load(r / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+        resumed, reference = (torch.load(r / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
                               for r in (root, tmp_path / "straight"))
         assert completed_rounds(resumed) == completed_rounds(reference) == 3
         assert resumed["state_dict"].keys() == reference["state_dict"].keys()

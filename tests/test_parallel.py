@@ -41,7 +41,7 @@ def launch(out: Path, methods: list[str], processes: int, *extra: str, timeout: 
 
 
 def checkpoint(root: Path) -> dict:
-    return torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    return torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
 
 
 def assert_same_tensors(a, b, where: str, exact: list[bool]) -> None:

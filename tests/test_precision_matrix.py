@@ -56,7 +56,7 @@ def test_every_family_runs_with_clients_in_parallel_on_two_processes_in_every_pr
         assert done.returncode == 0 and " exit " not in done.stderr, done.stderr[-3000:]
 
     def weights(root: Path) -> dict:
-        return torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+        return torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
 
     for cell, (_, precision, _) in CELLS.items():
         summary = json.loads((tmp_path / "two" / cell / "summary.json").read_text())

@@ -81,7 +81,7 @@ def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str]:
 
 
 def final_state(root: Path) -> dict:
-    return torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    return torch.load(root / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
 
 
 def assert_same_run(a: Path, b: Path) -> None:

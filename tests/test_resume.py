@@ -27,7 +27,7 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     fit(first, dm, rounds=2, callbacks=[ckpt])
     # the round's last client's momentum buffers are not in it (every client starts from zero),
     # its learning rate is
-    saved = torch.load(tmp_path / "last.ckpt", weights_only=False)["optimizer_states"]
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)["optimizer_states"]
     assert len(saved) == 1 and saved[0]["state"] == {}
     assert saved[0]["param_groups"][0]["lr"] == first.current_lr() and first.hparams.momentum > 0
     resumed, dm = make(seed=123)  # a different init: everything must come from the checkpoint

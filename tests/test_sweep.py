@@ -297,7 +297,7 @@ def test_killed_sweep_restarts_skipping_finished_runs_and_resuming_the_others(tm
     out, _ = proc.communicate(timeout=900)
     assert proc.returncode == -signal.SIGKILL, out
     assert all(summary(run).get("finished") for run in shorts)
-    assert completed_rounds(torch.load(long_ / "checkpoints" / "last.ckpt", weights_only=False)) == 2
+    assert completed_rounds(torch.load(long_ / "checkpoints" / "last.ckpt", weights_only=True)) == 2
     assert not summary(long_).get("finished") and not untouched.exists()
     first_summaries = {run: (run / "summary.json").stat().st_mtime_ns for run in shorts}
 
@@ -326,8 +326,8 @@ def test_killed_sweep_restarts_skipping_finished_runs_and_resuming_the_others(tm
                           env={**env(), **sweep.worker_envs(1, None, cores)[0]}, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    a = torch.load(long_ / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
-    b = torch.load(straight / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    a = torch.load(long_ / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    b = torch.load(straight / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rows_resumed, rows_straight = read_metrics(long_ / "metrics.csv"), read_metrics(straight / "metrics.csv")
     assert [r["round"] for r in rows_resumed] == list(range(1, 9))

@@ -49,10 +49,6 @@ class DataSpec:
     image_size: int
 
 
-# Checkpoints store the method's hyperparameters, DataSpec included; allow it under torch.load's
-# weights_only=True default so resuming needs no unsafe unpickling.
-torch.serialization.add_safe_globals([DataSpec])
-
 @dataclass(frozen=True)
 class DataRequest:
     """What a loader is asked for: where the files are, whether it may download them, the seed of
