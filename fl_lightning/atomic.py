@@ -18,7 +18,7 @@ def atomic_write_bytes(path: str | Path, data: bytes, durable: bool = True) -> N
     """Write `data` to `path` so that a reader (or a process killed mid-write) sees either the old
     content or all of the new one: temp file in the same directory, fsync, rename, fsync the dir.
 
-    `durable=False` leaves out the two fsyncs (each ~1-10 ms of waiting on a shared disk): the
+    `durable=False` leaves out the two fsyncs (each a wait on the disk, long on a shared one): the
     write is still atomic for readers and for a killed process, but a crash of the machine itself
     may lose it. For files rebuilt from the (durable) round checkpoint when a run resumes."""
     path = Path(path)

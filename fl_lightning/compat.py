@@ -30,7 +30,7 @@ def skip_next_validation(trainer) -> None:
 def keep_validation_data(trainer) -> None:
     """The round's validation reuses the validation DataLoader (the global test set, the same every
     round), where `reload_dataloaders_every_n_epochs=1` (for the training data: every round has its
-    own clients) would rebuild it: ~0.6 ms a round. Called at a round's start: the validation loop
+    own clients) would rebuild it every round. Called at a round's start: the validation loop
     reloads when `current_epoch - _last_val_dl_reload_epoch >= 1`, and loads the first time
     whatever the value (`_EvaluationLoop._should_reload_val_dl`, `setup_data`)."""
     loop = trainer.fit_loop.epoch_loop.val_loop
@@ -162,8 +162,8 @@ def _profiling() -> bool:
 
 def release_gradients(optimizer) -> None:
     """`optimizer.zero_grad(set_to_none=True)` without its profiler annotation (torch wraps it in
-    `record_function`, two operator dispatches: ~18 us a call on a 2-core EPYC, more than a tenth
-    of a small model's local step), unless a torch profiler is recording."""
+    `record_function`, two operator dispatches, a noticeable share of a small model's local
+    step), unless a torch profiler is recording."""
     if _profiling():
         optimizer.zero_grad(set_to_none=True)
         return
@@ -174,7 +174,7 @@ def release_gradients(optimizer) -> None:
 
 def step_optimizer(optimizer) -> None:
     """`optimizer.step()` without the profiler annotation torch wraps every optimizer's step in
-    (`Optimizer.profile_hook_step`: `record_function`, ~14 us a call there) when it would do nothing
+    (`Optimizer.profile_hook_step`: `record_function`) when it would do nothing
     else: no step hook registered (on this optimizer or globally) and no torch profiler recording.
     The step itself (`SGD.step` under its own grad-mode wrapper) is the same call. An LR
     scheduler tells a step from none by `_opt_called`, which its wrapper of `optimizer.step` sets."""
@@ -261,9 +261,9 @@ WANDB_SERVICE_POLL_S = 0.01
 def poll_wandb_service_often() -> None:
     """`wandb.init` starts W&B's service process and waits for the file it writes its address to,
     looking once, then every 0.2 s (`service_port_file._SLEEP`, a module global W&B itself
-    replaces in its tests): the service is ready ~30 ms after it starts, so every run's start waited
-    0.2 s for nothing. Looking every 10 ms instead (a file check each time: nothing to measure)
-    takes that wait off every run, and W&B's timeout and its error when the service dies are
+    replaces in its tests): the service is ready well before the first look again, so every run's
+    start would wait for nothing. Looking every WANDB_SERVICE_POLL_S instead (a file check each
+    time) takes that wait off every run, and W&B's timeout and its error when the service dies are
     unchanged."""
     import time
 
@@ -285,7 +285,7 @@ def poll_wandb_service_often() -> None:
 def list_installed_packages_once() -> None:
     """`wandb.init` records the installed packages (the run's requirements.txt) by reading the
     metadata of every installed distribution (`wandb.util.working_set`, called at each run's
-    start): about 0.09 s a run here. A sweep worker calls this once after its imports, before it
+    start). A sweep worker calls this once after its imports, before it
     forks its runs: they execute the modules the worker imported, so the list read then is the
     record of what they run, and each run reuses it."""
     import wandb.util

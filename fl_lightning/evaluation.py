@@ -56,8 +56,8 @@ class Evaluation(nn.Module):
 
     Its figures are those of torchmetrics' micro-averaged accuracy and a float64 mean of the
     per-sample losses (tests/test_evaluation.py holds them equal), counted without the metric
-    objects: their update, compute and logging through `self.log` cost about 1.9 ms of a small
-    model's round, more than the evaluation's forward pass (benchmarks/core_overhead.py).
+    objects: their update, compute and logging through `self.log` cost more than a small model's
+    forward pass over the test set (benchmarks/core_overhead.py measures it).
 
     Args:
         num_classes: number of classes of the scores.
@@ -107,11 +107,9 @@ class Tally:
     the analyses' class-wise accuracy. They are what torchmetrics' metric objects count (its
     micro-averaged accuracy: the argmax over classes, NaN scores included, equal to the label; per
     class, the same hits counted by label; tests/test_evaluation.py holds them equal), without
-    their argument handling and bookkeeping: over 300 samples, 23 us against 132 us for the overall
-    count, and the per-class counts (one bincount) 120 us against 180 us for torchmetrics' stat
-    scores, where a small model's forward pass takes about 0.2 ms and a round evaluates every
-    client's model (benchmarks/core_overhead.py). Counts stay on the
-    device until `result`."""
+    their argument handling and bookkeeping, which for a small model cost more than its forward
+    pass, in a round that evaluates every client's model (benchmarks/core_overhead.py). Counts
+    stay on the device until `result`."""
 
     def __init__(self, num_classes: int, per_class: bool = False):
         self.num_classes, self.per_class = num_classes, per_class

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,8 +35,10 @@ from fl_lightning import compat
 from fl_lightning.data.datamodule import clients_per_round
 from fl_lightning.errors import FLUserError
 from fl_lightning.evaluation import BestAccuracy
+from fl_lightning.loss_scaling import agree_on_scale, scaler_of
 from fl_lightning.outcome import Outcome
 from fl_lightning.parallel import ClientParallelStrategy, Collective, check_process_count
+from fl_lightning.round_decision import Collapse, Decision, Policy, RoundFacts, decide
 from fl_lightning.state import ServerState
 from fl_lightning.uploads import ClientUpload, RoundUploads, ServerUpdate, all_finite
 
@@ -138,6 +140,7 @@ class FederatedCallback(L.Callback):
         self.eval_local_models, self.local_eval_samples = eval_local_models, local_eval_samples
         self.on_divergence = on_divergence
         self.collapse_rounds, self.on_collapse = collapse_rounds, on_collapse
+        self.policy = Policy(on_divergence, on_collapse, collapse_rounds)
         self.client_cache_size, self.parallel = client_cache_size, parallel
         self.collective_timeout = collective_timeout
         self.record = OutcomeRecord()
@@ -213,7 +216,6 @@ class FederatedCallback(L.Callback):
         self._uploads: list[ClientUpload] = []
         self._rows: list[dict[str, float]] = []
         self._loss_spans: list[tuple[dict[str, float], dict[str, int], dict[str, int]]] = []
-        self._diverged_at: tuple[int, str] | None = None
         self.round_report = RoundReport(round=plan.round + 1)
         pl_module.round_start(plan.round, [c.client for c in plan.clients])
 
@@ -225,17 +227,14 @@ class FederatedCallback(L.Callback):
         upload = pl_module.client_end()
         row: dict[str, float] = {"client": upload.client, "samples": upload.num_samples, "skipped": 0}
         if not all_finite(upload):
-            row["skipped"] = 1
-            if self.on_divergence == "stop":
-                where = self._where(trainer, pl_module, upload.client)
-                self._diverged_at = min(self._diverged_at or (upload.client, where), (upload.client, where))
+            row["skipped"] = 1  # left out of the server step; `decide` says whether the run goes on
         else:
             if upload.kept:  # the state the client keeps: stored now that its upload is accepted
                 pl_module.client_states[upload.client] = upload.kept
                 upload.kept = {}
             row.update(upload.stats)
-            # its mean training loss is taken when the round ends, with the others' in a row:
-            # right after a client's steps the caches are cold (50 against 29 us a client)
+            # its mean training loss is taken when the round ends, with the others' in a row, where
+            # the local-log buffers are read once for every client
             self._loss_spans.append((row, self._log_mark, pl_module.local_log_position()))
             if self.eval_local_models:
                 row.update(pl_module.local_model_stats(lambda: self._local_eval_loader(trainer),
@@ -246,58 +245,26 @@ class FederatedCallback(L.Callback):
             self._finish_round(trainer, pl_module)
 
     def _finish_round(self, trainer, pl_module) -> None:
+        """After the round's last client: gather the round's facts, decide, take the server step,
+        decide again, then apply the step or stop."""
         collective = Collective.of(trainer)
-        for row, since, until in self._loss_spans:  # each accepted client's local steps
-            train_loss = pl_module.local_log_means(since, until).get("train/loss")
-            if train_loss is not None:
-                row["train_loss"] = train_loss
-        local_logs = [pl_module.flush_local_logs()]
-        diverged_at, rows = self._diverged_at, self._rows
-        if collective.distributed:
-            # One gather of what every process saw: every process takes the same decision below,
-            # and the round's logged means are over every client, whichever process trained it.
-            scaler = compat.loss_scaler(trainer)
-            scaler_state = scaler.state_dict() if scaler is not None and scaler.is_enabled() else None
-            parts = collective.gather({"rows": rows, "diverged": diverged_at, "logs": local_logs,
-                                       "scaler": scaler_state})
-            rows = [r for p in parts for r in p["rows"]]
-            diverged_at = min((p["diverged"] for p in parts if p["diverged"]), default=None)
-            local_logs = [p["logs"][0] for p in parts]
-            if scaler_state is not None:
-                # 16-mixed's loss scale: each process's scaler saw only its own clients' steps, so
-                # the processes agree on the smallest scale (and step count towards growing it)
-                # any of them reached; the next round, and the checkpoint (rank 0's), continue alike
-                scaler.load_state_dict({**scaler_state, **{key: min(p["scaler"][key] for p in parts)
-                                                          for key in ("scale", "_growth_tracker")}})
-        rows.sort(key=lambda r: r["client"])
+        rows, local_logs = self._gather_round(trainer, pl_module, collective)
         self.round_report.clients = rows
-        skipped = [int(r["client"]) for r in rows if r["skipped"]]
-        if self.on_divergence == "skip_client":
-            for client in skipped:
-                rank_zero_info(f"non-finite upload at {self._where(trainer, pl_module, client)}: skipping this "
-                               f"client's upload")
-        reason = None
-        if diverged_at is not None:
-            reason = (f"diverged: non-finite weights at {diverged_at[1]}; lower the lr or set "
-                      f"--federation.on_divergence skip_client")
-        elif len(skipped) == len(rows):
-            reason = f"diverged: every client's upload was non-finite at {self._where(trainer, pl_module)}"
-        update = None
-        if self._agreed(trainer, reason is None):
+        facts = RoundFacts(self._plan.round + 1, trainer.max_epochs, type(pl_module).__name__, clients=len(rows),
+                           nonfinite_clients=tuple(int(r["client"]) for r in rows if r["skipped"]))
+        decision = decide(facts, self.policy)
+        for client in decision.skipped:
+            rank_zero_info(f"non-finite upload at {facts.where(client)}: skipping this client's upload")
+        if self._agreed(trainer, not decision.stops):
             lr = pl_module.current_lr()
             uploads = RoundUploads(self._uploads, collective, pl_module.device)
             update = pl_module.server_step(uploads)
-            if not self._agreed(trainer, _update_finite(update, pl_module.server)):
-                # finite uploads can still give NaN/inf (a server step size, a control variate,
-                # overflow); no client to skip then, so the run stops either way
-                where = self._where(trainer, pl_module)
-                reason = f"diverged: non-finite global model after the server step at {where}"
-            else:
-                reason = None
-        elif reason is None:  # another process's decision
-            reason = f"diverged at {self._where(trainer, pl_module)} on another process"
-        if reason is not None:
-            self._stop(trainer, pl_module, Outcome.DIVERGED, reason)
+            facts = replace(facts, server_step_finite=self._agreed(trainer, _update_finite(update, pl_module.server)))
+        elif not decision.stops:
+            facts = replace(facts, refused_elsewhere=True)
+        decision = decide(facts, self.policy)
+        if decision.stops:
+            self._apply(trainer, pl_module, decision)
             return
         pl_module.apply_server_update(update)
         self.round_report.uploads = uploads.gathered() if self.share_round_uploads else list(self._uploads)
@@ -305,6 +272,26 @@ class FederatedCallback(L.Callback):
         pl_module.client_states.sync(collective)
         pl_module.round_end()
         self._log_round(trainer, pl_module, lr, update, pl_module.merge_local_logs(local_logs), collective)
+
+    def _gather_round(self, trainer, pl_module, collective: Collective) -> tuple[list[dict[str, float]], list]:
+        """The round's client rows (in client order) and local logs, every process's: one gather,
+        so that every process takes the same decision and the round's logged means are over every
+        client, whichever process trained it. The processes' loss scalers agree too."""
+        for row, since, until in self._loss_spans:  # each accepted client's local steps
+            train_loss = pl_module.local_log_means(since, until).get("train/loss")
+            if train_loss is not None:
+                row["train_loss"] = train_loss
+        rows, local_logs = self._rows, [pl_module.flush_local_logs()]
+        if collective.distributed:
+            scaler = scaler_of(trainer)
+            parts = collective.gather({"rows": rows, "logs": local_logs,
+                                       "scaler": None if scaler is None else scaler.state_dict()})
+            rows = [r for p in parts for r in p["rows"]]
+            local_logs = [p["logs"][0] for p in parts]
+            if scaler is not None:
+                agree_on_scale(scaler, [p["scaler"] for p in parts])
+        rows.sort(key=lambda r: r["client"])
+        return rows, local_logs
 
     def _log_round(self, trainer, pl_module, lr: float, update: ServerUpdate, local_logs: dict[str, float],
                    collective: Collective) -> None:
@@ -334,22 +321,25 @@ class FederatedCallback(L.Callback):
         """True when every process says ok (one reduction; every process gets the same answer)."""
         return bool(trainer.strategy.reduce_boolean_decision(bool(ok), all=True))
 
-    def _stop(self, trainer, pl_module, outcome: Outcome, reason: str, completed: bool = False) -> None:
-        """Ends the run after this round (EarlyStopping's way: `should_stop`, not an exception)."""
-        self.record = OutcomeRecord(outcome, reason, self.round_report.round, stopped=True,
+    def _apply(self, trainer, pl_module, decision: Decision) -> None:
+        """Records the decision's marks and, for a stop, ends the run after this round
+        (EarlyStopping's way: `should_stop`, not an exception)."""
+        for outcome, message in decision.marks:
+            if outcome.value not in self.record.marks:
+                self.record.marks[outcome.value] = f"round {self.round_report.round}/{trainer.max_epochs}, method " \
+                                                   f"{type(pl_module).__name__}"
+                rank_zero_info(message)
+        if not decision.stops:
+            return
+        self.record = OutcomeRecord(decision.outcome, decision.reason, self.round_report.round, stopped=True,
                                     marks=dict(self.record.marks))
         trainer.should_stop = True
-        if not completed:
+        if not decision.round_completed:
             # the round never reached its server step: the model goes back to the round's start,
             # nothing of the round is evaluated, logged or checkpointed
             pl_module.abandon_round()
             compat.skip_next_validation(trainer)
             self.round_report.completed = False
-
-    def _where(self, trainer, pl_module, client: int | None = None) -> str:
-        """1-based round, as in the per-round log line."""
-        who = "" if client is None else f", client {client}"
-        return f"round {self._plan.round + 1}/{trainer.max_epochs}{who}, method {type(pl_module).__name__}"
 
     def _local_eval_loader(self, trainer):
         if self._local_loader is None:
@@ -378,27 +368,16 @@ class FederatedCallback(L.Callback):
             group = pl_module.accuracy_key.split("/")[0]
             log_round_metrics(trainer, {f"{group}/best_test_acc": self.best.value,
                                         f"{group}/best_round": float(self.best.round)})
-        where = f"round {round_number}/{trainer.max_epochs}, method {type(pl_module).__name__}"
-        if loss is not None and not self._agreed(trainer, math.isfinite(loss)):
-            # finite weights can still give a NaN/inf test loss (an overflowing logit, a cosine of a
-            # zero feature): the model is as unusable as one with NaN weights, so the same policy holds
-            if self.on_divergence == "stop":
-                self._stop(trainer, pl_module, Outcome.DIVERGED,
-                           f"diverged: the global model's test loss is {loss} (its weights are finite) at {where}; "
-                           f"lower the lr or set --federation.on_divergence skip_client", completed=True)
-                return
-            self._mark(Outcome.DIVERGED, where, f"non-finite global test loss ({loss}) at {where}; training continues "
-                                                f"(--federation.on_divergence stop ends such runs)")
-        if acc is not None and self.collapse_rounds and self._collapsed(trainer, acc):
-            message = (f"failed: test accuracy has been at chance level (<= {self.chance_accuracy(trainer):.3f} + "
-                       f"0.01, the majority class's share) for {self.collapse_rounds} rounds after reaching "
-                       f"{self.best.value:.3f}, at {where}")
-            if self.on_collapse == "stop":
-                self._stop(trainer, pl_module, Outcome.FAILED, message + "; lower the lr or set "
-                           "--federation.on_collapse mark", completed=True)
-                return
-            self._mark(Outcome.FAILED, where, message + "; training continues (--federation.on_collapse stop "
-                                                        "ends such runs)")
+        facts = RoundFacts(round_number, trainer.max_epochs, type(pl_module).__name__, server_step_finite=True,
+                           test_loss=loss,
+                           test_loss_finite=loss is None or self._agreed(trainer, math.isfinite(loss)))
+        decision = decide(facts, self.policy)
+        if not decision.stops and acc is not None and self.collapse_rounds and self._collapsed(trainer, acc):
+            decision = decide(replace(facts, collapse=Collapse(self.chance_accuracy(trainer), self.best.value)),
+                              self.policy)
+        self._apply(trainer, pl_module, decision)
+        if decision.stops:
+            return
         if round_number >= trainer.max_epochs:
             self.record.outcome = self.record.final_outcome()
             self.record.round = round_number
@@ -409,11 +388,6 @@ class FederatedCallback(L.Callback):
         key = pl_module.accuracy_key
         acc, loss = metrics.get(key), metrics.get(key.replace("_acc", "_loss"))
         return (None if acc is None else float(acc)), (None if loss is None else float(loss))
-
-    def _mark(self, outcome: Outcome, where: str, message: str) -> None:
-        if outcome.value not in self.record.marks:
-            self.record.marks[outcome.value] = where
-            rank_zero_info(message)
 
     # ---- "Failed": collapse to chance accuracy -----------------------------------------------
     def chance_accuracy(self, trainer) -> float:
@@ -455,8 +429,8 @@ def log_round_metrics(trainer, metrics: Mapping[str, float | torch.Tensor], mean
     """Publishes a round's scalars, already aggregated over the round: into
     `trainer.callback_metrics` (what metrics.csv, the progress bar and monitoring callbacks read)
     and to every logger, in the round's row; the keys in `progress_bar` also on the progress bar.
-    Lightning's `self.log` would aggregate each value over steps and processes first, at about
-    0.2 ms a key: a tenth of a small model's round for the 30-odd values a round logs. With
+    Lightning's `self.log` would aggregate each value over steps and processes first, a cost per
+    key that a small model's round, with its 30-odd values, notices. With
     `mean_over_processes` every process contributes and the mean is published (one all_reduce);
     every process must then call it with the same keys. A tensor value keeps its dtype in
     `callback_metrics` unless averaged (the global evaluation's float32 accuracy and float64 loss)."""

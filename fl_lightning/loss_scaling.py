@@ -46,3 +46,12 @@ def grad(loss: torch.Tensor, params: Sequence[torch.Tensor], scaler: torch.amp.G
     scale = scaler.scale(torch.ones((), dtype=torch.float32, device=loss.device))
     grads = torch.autograd.grad(scaler.scale(loss), params, **kwargs)
     return tuple(None if g is None else g / scale.to(g.dtype) for g in grads)
+
+
+def agree_on_scale(scaler: torch.amp.GradScaler, states: Sequence[dict]) -> None:
+    """With clients in parallel each process's scaler saw only its own clients' steps: the
+    processes agree on the smallest scale (and step count towards growing it) any of them reached,
+    so the next round, and the checkpoint (rank 0's), continue alike. `states`: every process's
+    `scaler.state_dict()`, in rank order."""
+    agreed = {key: min(state[key] for state in states) for key in ("scale", "_growth_tracker")}
+    scaler.load_state_dict({**scaler.state_dict(), **agreed})

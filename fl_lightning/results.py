@@ -47,8 +47,8 @@ def _number(value: Any) -> float | None:
 
 # The W&B run's clients table: every CLIENTS_TABLE_EVERY_N_ROUNDS rounds and when the run ends,
 # holding the clients of the rounds since the previous one (clients.csv's rows, `round` first). A
-# W&B table is an artifact of its own, about 3.5 ms a table plus up to 0.08 ms a row to build and
-# write (benchmarks/round_floor.py): one a round was 2-3% of a small model's round.
+# W&B table is an artifact of its own, with a fixed cost to build and write (benchmarks/round_floor.py
+# measures it): one a round would be a share of a small model's round worth saving.
 CLIENTS_TABLE_EVERY_N_ROUNDS = 10
 
 
@@ -90,10 +90,9 @@ class RoundRows:
     """metrics.csv's rows, one per completed round (`round`, then the round's metrics), kept so
     that a round costs the same at round 1,000 as at round 10. The CSV lines of earlier rows are
     kept rather than rendered again each round, and the checkpoint gets the rows as one float64
-    matrix rather than a list of dicts: at round 400 of a 30-column run, rendering every row took
-    22 ms a round and pickling the dicts into the round checkpoint 14 ms more
-    (benchmarks/long_run.py). The file and the rows a resumed run reads back are the same as
-    before, byte for byte."""
+    matrix rather than a list of dicts: rendering every row and pickling the dicts each round
+    would make a round's cost grow with the run's length (benchmarks/long_run.py). The file and
+    the rows a resumed run reads back are the same, byte for byte."""
 
     def __init__(self, rows: list[dict[str, float]] = ()):
         self.rows: list[dict[str, float]] = []

@@ -43,8 +43,8 @@ def state_loader(module: nn.Module, state: Mapping[str, torch.Tensor]) -> Callab
 
     It copies each tensor of `state` into the module's own, which is all `load_state_dict` does
     for a module of plain layers; `load_state_dict` also walks the module tree, matches the keys
-    and asks every submodule's loading hooks on every call: 31 against 5 us for the `mlp` in a
-    loop, 1.3 against 0.7 ms a round of 10 clients in a run (benchmarks/core_overhead.py (i)).
+    and asks every submodule's loading hooks on every call, which every client of every round
+    would pay (benchmarks/core_overhead.py (i) measures it).
     Where loading would do more than copy (a load hook, a submodule's own `_load_from_state_dict`,
     `set_extra_state` or `load_state_dict`, torch's swap-tensors mode) or `state` is not exactly
     the module's keys and shapes, the function is `load_state_dict` itself. The module's tensors

@@ -14,9 +14,8 @@ import torch
 from fl_lightning.evaluation import Tally
 
 # Columns of the updates taken at once by `update_gram`: 10 clients x 16,384 float64 columns is
-# 1.3 MB, which stays in the cache between the subtraction and the product. One float64 block per
-# parameter tensor (the FedAvg CNN's 1.6M-weight layer: 128 MB for 10 clients) cost 455 ms a
-# round on a CPU, this 65 ms (benchmarks/peer_fedsol.py's setting, 1 thread).
+# 1.3 MB, which stays in the cache between the subtraction and the product; one float64 block per
+# parameter tensor (the FedAvg CNN's 1.6M-weight layer: 128 MB for 10 clients) would not.
 GRAM_COLUMNS = 1 << 14
 
 

@@ -135,8 +135,8 @@ def _row_ticks(ax, row_labels: Sequence | None) -> None:
 
 class HeatmapSeries:
     """One heatmap drawn again and again (the local models' class-wise accuracy every few rounds of
-    a fit), the same picture `heatmap_image` draws, pixel for pixel, at a sixth of the cost: 39 ms
-    against 255 ms for a 10 x 10 heatmap, here (the first picture 0.38 s). Most of a new picture's
+    a fit), the same picture `heatmap_image` draws, pixel for pixel, at a fraction of the cost
+    (benchmarks/core_overhead.py times the heatmap round). Most of a new picture's
     cost is building the figure, laying it out (matplotlib's layout engine measures every tick
     label) and drawing its axes; none of that changes between rounds. So the figure is built and
     laid out once, and drawn once more without what changes (the cells, the row labels, the title,

@@ -98,9 +98,9 @@ def rank_share(batch_size: int, rank: int, world_size: int) -> slice | np.ndarra
 
 
 # A client's samples for all its local epochs are gathered at once up to this many bytes (an
-# mnist5k client's 5 epochs: 1.6 MB), else one epoch at a time. Each gather and split made after
-# an epoch's steps cost far more in a run than in a loop: one gather a client instead of five took
-# ~5 ms off an overhead-bound round of 10 clients (benchmarks/core_overhead.py (i)), ~0.3 in a loop.
+# mnist5k client's 5 epochs: 1.6 MB), else one epoch at a time: each gather and split made after
+# an epoch's steps costs far more in a run, with the caches cold after training, than in a loop
+# (benchmarks/core_overhead.py (i) measures the round).
 GATHER_ONCE_BYTES = 16 << 20
 
 
@@ -116,8 +116,8 @@ class _WorkItems:
 
     Lightning takes any iterable with a length as training data; this one is not a torch
     DataLoader, whose per-item bookkeeping (a profiler annotation, the sampler, the fetch and
-    collate calls) cost about 0.15 ms a client and its iterator 0.2 ms a round, i.e. 1.6 ms of an
-    overhead-bound round of 10 clients (benchmarks/core_overhead.py (i)). Nothing here is loaded:
+    collate calls) every client would pay, for nothing: the batches are sliced on the device
+    already (benchmarks/core_overhead.py (i) measures the round). Nothing here is loaded:
     each item is a `ClientWork`, and `minibatches` slices its batches on the device."""
 
     def __init__(self, plan: RoundPlan):
@@ -461,9 +461,9 @@ class FederatedDataModule(L.LightningDataModule):
 
     def _global_test_batches(self) -> Iterable:
         """The test set's batches for Lightning's validation and test loops: when already sliced
-        on the device, as they are (Lightning takes any iterable with a length; a DataLoader's
-        iterator, made anew every round, and its fetch of each batch cost 0.2 ms of a small
-        model's round in benchmarks/core_overhead.py (i)), else a DataLoader."""
+        on the device, as they are (Lightning takes any iterable with a length; a DataLoader would
+        make its iterator anew every round and fetch batches that exist already), else a
+        DataLoader."""
         loader = self._eval_loader(self.test_set)
         return loader.dataset if isinstance(loader.dataset, _SlicedBatches) else loader
 

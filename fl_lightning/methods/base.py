@@ -108,8 +108,8 @@ NO_CONTEXT = LossContext()  # a loss that uses nothing else (frozen, so one inst
 
 class LocalSteps:
     """The current client's step counters. A plain object, not module attributes: setting an
-    attribute of an `nn.Module` costs microseconds (it checks parameters, buffers and
-    submodules), which a small model's local step (~0.15 ms) would pay several times.
+    attribute of an `nn.Module` checks its parameters, buffers and submodules, which a small
+    model's local step would pay several times.
 
     Attributes:
         taken: local steps the current client has taken this round (`local_step`).
@@ -143,8 +143,8 @@ def _weighted_sum(values: list, sizes: list[int]) -> tuple[float, float]:
     """(sum of value * size, sum of sizes) in float64, with one device sync for all values."""
     stacked = torch.as_tensor([float(v) for v in values], dtype=torch.float64) if not all(
         isinstance(v, torch.Tensor) for v in values) else torch.stack(values).double().cpu()
-    # numpy reads a list of ints in under half the time torch.as_tensor takes, and the sizes'
-    # sum is exact in Python as in float64 (integers): 22 -> 16 us for a client's 40 steps
+    # numpy reads a list of ints faster than torch.as_tensor, and the sizes' sum is exact in
+    # Python as in float64 (integers)
     weights = torch.from_numpy(np.asarray(sizes, dtype=np.float64))
     return float((stacked * weights).sum()), float(sum(sizes))
 
@@ -618,9 +618,8 @@ class SharedModelMethod(FederatedMethod):
     def _bind_global_weights(self) -> None:
         """Binds the round's global weights to the model's tensors for what every client does
         with them, loading them at its start and measuring its drift from them at its end: once a
-        round rather than once a client (load_state_dict and named_parameters walked the module
-        tree each time: a client's start and end took 122 and 132 us in a run of the `mlp`
-        against 64 and 115 now); again after anything gives the module new tensors (`_apply`)."""
+        round rather than once a client (load_state_dict and named_parameters walk the module
+        tree each time); again after anything gives the module new tensors (`_apply`)."""
         self._load_global_weights = state_loader(self.model, self.global_weights)
         shared = [(p, self.global_weights[n]) for n, p in self.model.named_parameters() if n not in self.personal]
         self._drift_pairs = ([p for p, _ in shared], [g for _, g in shared])
@@ -674,11 +673,9 @@ class SharedModelMethod(FederatedMethod):
         params, global_params = self._drift_pairs
         if not params:
             return 0.0
-        # one norm per tensor, then the norm of the norms: a tenth of the cost of squaring and
-        # summing every difference (and torch's norm accumulates more accurately); the foreach
-        # forms are the same per-tensor operations on the CPU in two calls rather than eight for
-        # an `mlp`, which costs 0.5 ms less in a round of 10 clients (the caches are cold after
-        # a client's training, so each call costs several times what it does in a loop)
+        # one norm per tensor, then the norm of the norms: cheaper than squaring and summing
+        # every difference (and torch's norm accumulates more accurately); the foreach forms are
+        # the same per-tensor operations on the CPU in two calls rather than one per tensor
         with torch.no_grad():
             norms = torch._foreach_norm(torch._foreach_sub(params, global_params))
         return float(torch.linalg.vector_norm(torch.stack(norms)))
@@ -766,7 +763,7 @@ class SharedModelMethod(FederatedMethod):
         """Logged once per evaluation (its counts summed over processes), not per batch; the same
         names in fit's validation, `validate` and `test`: they all evaluate the global model on the
         global test set. In fit, the round's values are published as the round's other values are
-        (`log_round_metrics`: Lightning's `self.log` costs about 0.5 ms a key here)."""
+        (`log_round_metrics`, which says why not through Lightning's `self.log`)."""
         trainer = self.trainer
         acc, loss = metrics.compute(trainer.strategy)
         metrics.reset()

@@ -261,7 +261,7 @@ class HeteroMethod(FederatedMethod):
         train-mode BatchNorm normalises only `size` values per channel. With 2 values its output is
         +-1 whatever the input, so the true gradient is 0 and backward returns the eps-dominated
         derivative, up to 1/sqrt(eps) ~ 316 per layer; chained through the network a 2-sample tail
-        gave a gradient norm of 1e7 and NaN weights in the next round (issue 9, finding 8). A
+        gave a gradient norm of 1e7 and NaN weights in the next round. A
         client smaller than one batch keeps its only batch (one sample cannot be normalised).
         """
         full = self.trainer.datamodule.hparams.batch_size
