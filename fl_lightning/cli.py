@@ -29,6 +29,7 @@ subcommands:
 Each subcommand has its own --help (e.g. fl-lightning fit --help; fl-lightning fit --model.help FedSOL).
 """
 TOOLS = ("sweep", "report")
+RUN_COMMANDS = ("fit", "validate", "test", "analyze")
 
 
 def main(args: list[str] | None = None) -> None:
@@ -45,6 +46,11 @@ def main(args: list[str] | None = None) -> None:
 
         serve()
         return
+    if not argv[0].startswith("-") and argv[0] not in (*RUN_COMMANDS, *TOOLS):
+        # answered before Lightning is imported, which takes seconds
+        print(f"error: unknown subcommand '{argv[0]}'{_did_you_mean(argv[0])}; choose one of: "
+              f"{', '.join((*RUN_COMMANDS, *TOOLS))} (fl-lightning --help)", file=sys.stderr)
+        sys.exit(2)
     if argv[0] in TOOLS:
         sys.exit(_run_tool(argv[0], argv[1:]))
     if os.environ.get("WANDB_SWEEP_ID"):  # launched by a W&B sweep agent: a directory per run
@@ -55,6 +61,13 @@ def main(args: list[str] | None = None) -> None:
     from fl_lightning.lightning_cli import main as run
 
     run(args)
+
+
+def _did_you_mean(name: str) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name.lower(), (*RUN_COMMANDS, *TOOLS), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def _run_tool(name: str, args: list[str]) -> int:

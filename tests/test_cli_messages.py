@@ -47,7 +47,9 @@ MALFORMED = [
     (["--model.init_args.rhoo", "1"], ["model.init_args.rhoo", "did you mean 'rho'"]),
     (["--model", "FedSOL", "--model.init_args.lam", "1"], ["model.init_args.lam", "FedSOL's options: rho"]),
     (["RAW"], ["no subcommand", "fit, validate, test, analyze, sweep, report"]),
-    (["RAW", "fitt"], ["unknown subcommand 'fitt'", "fit, validate, test"]),
+    (["RAW", "fitt"], ["unknown subcommand 'fitt' (did you mean fit?)", "fit, validate, test"]),
+    (["RAW", "fti"], ["unknown subcommand 'fti' (did you mean fit?)", "fit, validate, test"]),
+    (["RAW", "reprot", "runs"], ["unknown subcommand 'reprot' (did you mean report?)"]),
     (["RAW", "predict"], ["unknown subcommand 'predict'", "fit, validate, test"]),
     (["--model", "FedFoo"], ["unknown method 'FedFoo'", "FedAvg", "FedSOL"]),
     (["--model", "HeteroMethod"], ["unknown method 'HeteroMethod'", "FedORGP"]),
@@ -186,3 +188,16 @@ def test_help_lists_methods_not_bases_and_no_predict(capsys):
     out = capsys.readouterr().out
     assert "predict" not in out and "Lightning Trainer command line tool" not in out
     assert "{fit,validate,test,analyze,sweep,report}" in out and "Federated-learning research methods" in out
+
+
+def test_an_unknown_subcommand_is_answered_without_importing_lightning():
+    """`fl-lightning fti` answers before Lightning's import (which takes seconds)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom fl_lightning.cli import main\ntry:\n    main(['fti'])\nexcept SystemExit as stop:\n"
+            "    print(stop.code, 'lightning' in sys.modules, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.stdout.split() == ["2", "False", "False"], (done.stdout, done.stderr)
+    assert done.stderr.strip() == ("error: unknown subcommand 'fti' (did you mean fit?); choose one of: fit, validate, "
+                                   "test, analyze, sweep, report (fl-lightning --help)")
