@@ -12,6 +12,14 @@ Row labels are the sweep parameters of each run (recorded by `fl-lightning sweep
 `.sweep/<run>.json`), or for other run directories the options whose values differ between runs
 in their `config.yaml`. `--compare configs/tables/<table>.yaml` adds the paper's published numbers
 for the matching rows and our difference to them.
+
+A number is only as good as the runs under it, so before anything is averaged each finished run is
+checked (`screen`): a run whose metrics.csv is missing, empty, cut short or unparsable, or whose
+rows disagree with its summary.json (fewer rounds than it records completed, another last row,
+another final or best accuracy), is damaged; a run whose config.yaml, seeds included, equals an
+earlier run's (by path) once the options that only say where a run is stored are set aside is a
+duplicate of it. Both are named under the table and in the CSV, and left out of every number: the
+cells, the seed counts, `--compare`, `--baseline` and the curves.
 """
 
 from __future__ import annotations
@@ -57,6 +65,9 @@ class Run:
     record: dict | None
     order: float
     setting: str = "?"  # the setting its config names (see _setting)
+    config: dict[str, Any] = field(default_factory=dict)  # its config.yaml, flattened
+    damage: str | None = None  # why its records cannot be counted (see record_damage)
+    duplicate_of: str | None = None  # the run it repeats (same resolved config and seeds), counted instead
 
     @property
     def status(self) -> str:
@@ -137,7 +148,8 @@ def collect(top: Path) -> list[Run]:
         name = str(path.relative_to(top)) if path != top else path.name
         index = (record or {}).get("index")
         runs.append(Run(name=name, path=path, params=params, summary=summary, record=record,
-                        order=index if isinstance(index, int) else math.inf, setting=settings[path]))
+                        order=index if isinstance(index, int) else math.inf, setting=settings[path],
+                        config=configs[path]))
     return sorted(runs, key=lambda r: (r.order, r.name))
 
 
@@ -175,6 +187,139 @@ def group(runs: list[Run]) -> list[Row]:
     return list(rows.values())
 
 
+class DamagedRecords(Exception):
+    """Why a run's records cannot be counted (one phrase, shown after the run's name)."""
+
+
+def read_rounds(path: Path) -> list[dict[str, float]]:
+    """The rows of a metrics.csv as `results.py` writes them, or DamagedRecords: the writer ends
+    every line, gives every row the header's cells and writes only numbers, so a file that breaks
+    any of these was cut (a full disk, an interrupted copy) or edited, and a number read from it
+    may not be the one the run measured (`0.6519` cut to `0.65` still reads as a number)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise DamagedRecords("metrics.csv is missing") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise DamagedRecords(f"metrics.csv cannot be read ({getattr(err, 'strerror', None) or err})") from None
+    if not text:
+        raise DamagedRecords("metrics.csv is empty")
+    if not text.endswith("\n"):
+        raise DamagedRecords("metrics.csv's last line is cut short (it has no line end)")
+    try:
+        header, *lines = list(csv.reader(io.StringIO(text)))
+    except csv.Error as err:
+        raise DamagedRecords(f"metrics.csv is not a CSV file ({err})") from None
+    if not header or header[0] != "round":
+        raise DamagedRecords("metrics.csv's first line is not its header (round, then the metrics)")
+    return [_parse_row(header, cells, number) for number, cells in enumerate(lines, start=2)]
+
+
+def _parse_row(header: list[str], cells: list[str], number: int) -> dict[str, float]:
+    if len(cells) != len(header):
+        raise DamagedRecords(f"metrics.csv line {number} has {len(cells)} cells, its header {len(header)}")
+    row: dict[str, Any] = {}
+    for column, cell in zip(header, cells, strict=True):
+        try:
+            if cell != "":
+                row[column] = float(cell)
+        except ValueError:
+            raise DamagedRecords(f"metrics.csv line {number}: {column} is {cell!r}, not a number") from None
+    if not float(row.get("round", 0.5)).is_integer():
+        raise DamagedRecords(f"metrics.csv line {number}: round is {cells[0]!r}, not a round number")
+    row["round"] = int(row["round"])
+    return row
+
+
+def record_damage(run: Run) -> str | None:
+    """Why the run's records cannot be counted, or None when metrics.csv is whole and says what
+    summary.json says: every round it records completed (1, 2, ...), its last row (`last`), and
+    the final and best accuracy with their rounds. Fields an older summary lacks are not checked."""
+    try:
+        rows = read_rounds(run.path / "metrics.csv")
+    except DamagedRecords as err:
+        return str(err)
+    summary = run.summary or {}
+    return (_short(summary, rows) or _last_disagrees(summary, rows) or _figure_disagrees(summary, rows, "final")
+            or _figure_disagrees(summary, rows, "best"))
+
+
+def _short(summary: dict, rows: list[dict[str, float]]) -> str | None:
+    completed = summary.get("rounds_completed")
+    if not isinstance(completed, int) or isinstance(completed, bool):
+        return None
+    held = [r["round"] for r in rows]
+    if held == list(range(1, completed + 1)):
+        return None
+    if len(held) < completed:
+        return (f"metrics.csv is short: it holds {len(held)} round{'s' * (len(held) != 1)}, summary.json "
+                f"records {completed} completed")
+    return f"metrics.csv's rounds ({', '.join(map(str, held))}) are not the 1 to {completed} summary.json records"
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Exactly equal (NaN equals NaN): both files are written from the same floats, each as its
+    shortest exact text, so a last digit lost is a difference (a tolerance would hide a cut)."""
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def _show(v: Any) -> str:
+    return "nothing" if v is None else repr(v)
+
+
+def _last_disagrees(summary: dict, rows: list[dict[str, float]]) -> str | None:
+    last = summary.get("last")
+    if not isinstance(last, dict):
+        return None
+    row = {k: v for k, v in (rows[-1] if rows else {}).items() if k != "round"}
+    for key in sorted(set(last) | set(row)):
+        if not _equal(row.get(key), last.get(key)):
+            return (f"metrics.csv's last row has {key} {_show(row.get(key))}, summary.json's last round "
+                    f"{_show(last.get(key))}")
+    return None
+
+
+def _figure_disagrees(summary: dict, rows: list[dict[str, float]], which: str) -> str | None:
+    """summary.json's `final_acc` (the last finite accuracy) or `best_acc` (the first highest)
+    against the one metrics.csv gives, with their rounds."""
+    if f"{which}_acc" not in summary:
+        return None
+    key = accuracy_key(summary)
+    finite = [(r[key], r["round"]) for r in rows if key in r and math.isfinite(r[key])]
+    found = (finite[-1] if which == "final" else max(finite, key=lambda f: f[0])) if finite else (None, None)
+    recorded = (summary.get(f"{which}_acc"), summary.get(f"{which}_round", found[1]))
+    if _equal(recorded[0], found[0]) and recorded[1] == found[1]:
+        return None
+    return (f"summary.json's {which}_acc is {_show(recorded[0])} (round {recorded[1]}), metrics.csv's {key} "
+            f"gives {_show(found[0])} (round {found[1]})")
+
+
+def _resolved(run: Run) -> str | None:
+    """A run's config.yaml, seeds included, without the options that only say where it is stored:
+    equal for two runs of the same command (or a copied run directory); None without a config.
+    Its setting is part of it: runs the table shows in two settings are never one run's copies."""
+    kept = sorted((k, repr(v)) for k, v in run.config.items() if k not in BOOKKEEPING_KEYS)
+    return repr((run.setting, kept)) if kept else None
+
+
+def screen(runs: list[Run]) -> list[Run]:
+    """The runs a report counts, in their order: each run's `damage` and `duplicate_of` are set,
+    and those runs left out. Of runs with the same resolved config the first by path counts, so
+    the same directory gives the same table however its runs were listed."""
+    for run in runs:
+        run.damage = record_damage(run)
+    first: dict[str, Run] = {}
+    for run in sorted((r for r in runs if r.damage is None), key=lambda r: r.name):
+        key = _resolved(run)
+        if key is not None and key in first:
+            run.duplicate_of = first[key].name
+        elif key is not None:
+            first[key] = run
+    return [r for r in runs if r.damage is None and r.duplicate_of is None]
+
+
 def stats(values: list[float]) -> tuple[float, float] | None:
     if not values:
         return None
@@ -200,7 +345,8 @@ def metric_cell(row: Row, metric: str, last_k: int = 10) -> tuple[str, tuple[flo
     """The table cell of one metric with the papers' Failed/Diverged marks."""
     done = row.done()
     kept = [r for r in done if r.status != "diverged"]
-    pair = stats([v for v in (value(r, metric, last_k) for r in kept) if v is not None])
+    values = [v for v in (value(r, metric, last_k) for r in kept) if v is not None]
+    pair = stats(values)
     diverged = sum(r.status == "diverged" for r in done)
     failed = sum(r.status == "failed" for r in done)
     if done and diverged == len(done):
@@ -211,6 +357,8 @@ def metric_cell(row: Row, metric: str, last_k: int = 10) -> tuple[str, tuple[flo
         text = fmt(pair)
         if failed:
             text += f" ({failed}/{len(done)} failed)"
+    if pair is not None and len(values) < len(kept):  # runs without this metric: the row's seed count is not its n
+        text += f" (n={len(values)})"
     if diverged:
         text += f" ({diverged}/{len(done)} diverged)"
     return text, pair
@@ -227,7 +375,7 @@ class Table:
     headers: list[str]
     rows: list[list[str]]
     csv_rows: list[dict[str, Any]]
-    notes: list[str]
+    notes: list[tuple[str, str]]  # (run, why it is left out), printed under the table and added to the CSV
     compare_headers: list[str] = field(default_factory=list)
     compare_rows: list[list[str]] = field(default_factory=list)
     curves: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # row label -> its runs' curves
@@ -245,11 +393,8 @@ def build(top: Path, compare: dict | None = None, metric: str = "final", last_k:
     if not top.is_dir():
         raise FLUserError(f"report {top}: no such directory")
     runs = collect(top)
-    done = [r for r in runs if r.status in FINAL_STATES]
-    if not done:
-        raise FLUserError(f"report {top}: no finished runs below it (a run is a directory whose summary.json records "
-                          f"its outcome); {len(runs)} run director{'y' if len(runs) == 1 else 'ies'} found")
-    rows = [row for row in group(runs) if row.done()]
+    done = counted(top, runs)
+    rows = [row for row in group(done) if row.done()]
     label_keys = list(dict.fromkeys(k for row in rows for k in row.params))
     short = short_keys(label_keys)
     personal = personal_keys(done)
@@ -277,6 +422,20 @@ def build(top: Path, compare: dict | None = None, metric: str = "final", last_k:
     if compare is not None:
         _add_comparison(table, rows, short, compare)
     return table
+
+
+def counted(top: Path, runs: list[Run]) -> list[Run]:
+    """The finished runs whose records can be counted, each once (`screen`); one line if none."""
+    done = [r for r in runs if r.status in FINAL_STATES]
+    if not done:
+        raise FLUserError(f"report {top}: no finished runs below it (a run is a directory whose summary.json records "
+                          f"its outcome); {len(runs)} run director{'y' if len(runs) == 1 else 'ies'} found")
+    kept = screen(done)
+    if not kept:
+        damaged = "; ".join(f"{r.name}: {r.damage}" for r in done)
+        raise FLUserError(f"report {top}: the records of every finished run below it are damaged ({damaged}); "
+                          f"a run's fit command again with --ckpt_path last writes them again from its checkpoint")
+    return kept
 
 
 def _method_of(row: Row) -> str:
@@ -349,12 +508,17 @@ def _add_row(table: Table, row: Row, label_keys: list[str], short: dict[str, str
     table.csv_rows.append(out)
 
 
-def _notes(runs: list[Run]) -> list[str]:
+def _notes(runs: list[Run]) -> list[tuple[str, str]]:
+    """(run, why it is not in the table) for every run left out: unfinished, damaged, duplicate."""
     notes = []
     for run in runs:
         if run.status not in FINAL_STATES:
             error = (run.record or {}).get("error")
-            notes.append(f"{run.name}: {run.status}" + (f": {error}" if error else ""))
+            notes.append((run.name, run.status + (f": {error}" if error else "")))
+        elif run.damage is not None:
+            notes.append((run.name, f"damaged, left out: {run.damage}"))
+        elif run.duplicate_of is not None:
+            notes.append((run.name, f"duplicate of {run.duplicate_of} (the same config.yaml and seeds), left out"))
     return notes
 
 
@@ -472,17 +636,23 @@ def main(argv: list[str]) -> int:
     sweep_dir = Path(opts.sweep_dir)
     table = build(sweep_dir, compare, metric=opts.metric, last_k=opts.last_k, baseline=opts.baseline)
     print(markdown(table.headers, table.rows))
-    for note in table.notes:
-        print(f"- {note}")
+    for name, note in table.notes:
+        print(f"- {name}: {note}")
+    if any(note.startswith("damaged") for _, note in table.notes):
+        print("(a damaged run's fit command, run again with --ckpt_path last, writes its records again from its "
+              "checkpoint)")
     if compare is not None:
         print(f"\nCompared with {compare['title']}:\n")
         print(markdown(table.compare_headers, table.compare_rows))
     csv_path = Path(opts.csv) if opts.csv else sweep_dir / "report.csv"
-    fields = list(dict.fromkeys(k for row in table.csv_rows for k in row))
+    # after the table's rows, a row per run left out: its name under `runs`, why under `note`
+    # (empty in the table's rows), so readers of the earlier columns read the table as before
+    csv_rows = table.csv_rows + [{"runs": name, "note": note} for name, note in table.notes]
+    fields = list(dict.fromkeys(k for row in csv_rows for k in row))
     text = io.StringIO()
     writer = csv.DictWriter(text, fieldnames=fields)
     writer.writeheader()
-    writer.writerows(table.csv_rows)
+    writer.writerows(csv_rows)
     try:
         atomic_write_bytes(csv_path, text.getvalue().encode())
     except OSError as err:  # a read-only or full disk: the table above stands; say so in one line

@@ -14,15 +14,34 @@ from fl_lightning.cli import main
 
 
 def make_run(sweep_dir: Path, name: str, params: dict, *, final=None, best=None, finished=True, diverged=False,
-             failed=False, last=None, status="finished", error=None, config=None, record=True) -> None:
+             failed=False, last=None, status="finished", error=None, config=None, record=True, curve=None) -> None:
+    """A run directory as fit leaves one: metrics.csv (`curve`: the accuracy of rounds 1, 2, ...;
+    by default 10 rounds, 3 if not finished, ending at `best`, then `final`), the summary.json
+    those rows give, and a config.yaml holding the run's sweep parameters."""
     run = sweep_dir / name
     run.mkdir(parents=True)
-    summary = {"method": "X", "rounds_completed": 10 if finished else 3, "max_rounds": 10, "finished": finished,
-               "final_acc": final, "final_round": 10, "best_acc": best if best is not None else final,
-               "best_round": 9, "wall_time_s": 1.0, "diverged": diverged, "failed": failed,
-               "last": {"global/test_acc": final, **(last or {})}}
+    best = best if best is not None else final
+    curve = curve or [0.0] * (8 if finished else 1) + [best, final]
+    last = {"global/test_acc": final, **(last or {})}
+    rows = [{"round": r, "global/test_acc": acc} for r, acc in enumerate(curve, start=1)]
+    rows[-1].update(last)
+    columns = ["round", *sorted({k for row in rows for k in row} - {"round"})]
+    (run / "metrics.csv").write_text(",".join(columns) + "\n" + "".join(
+        ",".join(repr(row[c]) if c in row else "" for c in columns) + "\n" for row in rows))
+    best_round = max(range(len(curve)), key=lambda i: curve[i]) + 1
+    summary = {"method": "X", "rounds_completed": len(curve), "max_rounds": 10, "finished": finished,
+               "final_acc": final, "final_round": len(curve), "best_acc": curve[best_round - 1],
+               "best_round": best_round, "wall_time_s": 1.0, "diverged": diverged, "failed": failed, "last": last}
     (run / "summary.json").write_text(json.dumps(summary))
-    (run / "config.yaml").write_text(yaml.safe_dump(config or {"seed_everything": params.get("seed_everything", 0)}))
+    if config is None:  # what fit writes for these parameters (model.class_path: {model: {class_path: ...}})
+        config = {"seed_everything": params.get("seed_everything", 0)}
+        for key, value in params.items():
+            *parents, leaf = key.split(".")
+            node = config
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
     if record:
         (sweep_dir / ".sweep").mkdir(exist_ok=True)
         (sweep_dir / ".sweep" / f"{name}.json").write_text(json.dumps(
@@ -209,10 +228,8 @@ def methods_with_curves(top: Path) -> None:
     for method, finals in table.items():
         for seed, final in finals.items():
             name = f"{method}-{seed}"
-            make_run(top, name, {"model.class_path": m + method, "seed_everything": seed}, final=final)
-            rows = [(r, final - 0.05 * (5 - r)) for r in range(1, 6)]  # rising to the final value
-            (top / name / "metrics.csv").write_text("round,global/test_acc\n" +
-                                                    "".join(f"{r},{a}\n" for r, a in rows))
+            make_run(top, name, {"model.class_path": m + method, "seed_everything": seed}, final=final,
+                     curve=[final - 0.05 * (5 - r) for r in range(1, 6)])  # rising to the final value
             summary = json.loads((top / name / "summary.json").read_text())
             (top / name / "summary.json").write_text(json.dumps({**summary, "accuracy": "global/test_acc"}))
 
