@@ -1,6 +1,56 @@
-"""The method contract. A method is a manual-optimization LightningModule that states, in one
-place, what a client receives, how it takes one local step, what it uploads and how the server
-combines the uploads. The federated callback (federation.py) calls these hooks in this order:
+"""The method contract: what a federated method is, and which of its hooks to override.
+
+A method is a manual-optimization LightningModule that states, in one place, what a client
+receives, how it takes one local step, what it uploads and how the server combines the uploads.
+The round driver (the federated callback, federation.py) calls its hooks; a method never imports
+the driver. To write one, subclass `SharedModelMethod` (one global model; every hook's default is
+FedAvg's) or `hetero.base.HeteroMethod` (a model per client), and override the first tier that
+does what the method needs:
+
+Tier 1, the local objective: `loss(model, batch, context)`. Most methods change only what a
+    client minimises. The default local step steps on it, and personalised fine-tuning with
+    `objective: method` uses the same hook; `LossContext` says what else a loss may use (the
+    frozen round-start model as `context.teacher` when the class sets `needs_global_model`).
+    Example: FedProx (baselines/fedprox.py), CE + (mu / 2) ||w - w_g||^2; also FedNTD and the
+    frozen-classifier methods (frozen/).
+Tier 2, the local step: `minibatch_step(batch)`, for a step that is not one backward of one
+    loss: two passes (a perturbed gradient), a second model trained alongside. It calls
+    `sgd_step(loss)` for the step and `log_local(values, batch_size)` for its per-step values,
+    and returns the step's loss. Inside `sgd_step`, `after_backward()` corrects the gradients
+    before the optimizer sees them and `after_optimizer_step()` projects the weights after it
+    (call super(): the base enforces the FedCONST constraint).
+    Example: FedSAM (baselines/fedsam.py), a clean pass for the perturbation and a perturbed
+    pass to step on; also FedSOL (fedsol/), Ditto and Per-FedAvg (personalized/).
+Tier 3, state across rounds: `client_start(client, num_samples)`, `client_end()` and
+    `server_step(uploads)`, for methods that keep state on the clients or the server. Each calls
+    super() and adds its own: `client_start` loads the global state and resets the optimizer,
+    then the method loads the client's state (`client_state(client, prefix)`); `client_end`
+    returns FedAvg's `ClientUpload`, to which the method adds its upload groups and, in
+    `upload.kept` under a prefix of its own, what the client keeps (`prefixed`); `server_step`
+    returns a `ServerUpdate`, to which it adds new values of the server state it declared in
+    `__init__` (`self.server.tensors(...)`).
+    Example: SCAFFOLD (baselines/scaffold.py): c_i loaded in `client_start`, c - c_i added in
+    `after_backward`, delta c_i uploaded and c_i+ kept in `client_end`, c updated in
+    `server_step`; also FedDyn, MOON and FedNova (baselines/).
+
+Less often overridden (a family's or an unusual method's): `round_start`, `round_end`,
+`apply_server_update` and `abandon_round` (call super()), `local_parameters` (what the local
+optimizer updates), `predict_logits` (the class scores of every accuracy), `loss_context`,
+`personal_keys` and `build_network` (SharedModelMethod), `personal_model`, `finetune_start`,
+`analysis_models`, `local_model_stats`, `global_test_metrics`.
+
+Helpers a method calls and does not override: `sgd_step`, `log_local`, `clip_local_gradients`
+(a step of the method's own optimizer, e.g. Ditto's personal one), `client_state`, `prefixed`,
+`local_step`, `current_lr`, `reset_optimizer_state`, `seed_client`, `server_seed`,
+`mean_across_devices`, `evaluate`.
+
+For the round driver and Lightning only (do not override): `training_step` (one client's local
+training: `minibatch_step` per mini-batch), `on_train_start`, `on_before_optimizer_step`
+(override `after_backward` instead), `local_log_position`, `local_log_means`,
+`flush_local_logs`, `merge_local_logs`, `configure_client_stores`, and the checkpoint hooks
+(`on_save_checkpoint`, `on_load_checkpoint`: family bases extend them).
+
+The round driver calls the hooks in this order:
 
     round_start(round, clients)      server: snapshot the global state every client starts from
     client_start(client, n)          client: load the global state (+ its own persistent state,
@@ -26,21 +76,10 @@ of tensors per client, under a prefix per kind: "model." for the client's own pa
 (a frozen teacher, a previous or personal model) are `self.copies` (`state.WorkingCopies`), never
 saved.
 
-Two siblings implement them over the common base `FederatedMethod`: `SharedModelMethod` (one
-global model every client starts from; between rounds `self.model` holds it, so Lightning's
-validation loop, checkpoints and `validate`/`test` see it with no extra plumbing; state_dict keys
-named by `personal_keys(model)` stay with each client) and `hetero.base.HeteroMethod` (each
-client its own architecture, evaluated on its own test split). What the callbacks read of a
-method without knowing its family: `accuracy_key` (the metric that is the run's accuracy) and
-`analysis_models()` (the models the analyses look at). Personalised evaluation starts fine-tuning
-from `finetune_start(client)`, whichever the family, and with `objective: method` fine-tunes on the
-same `loss(model, batch, context)` hook as local training (one loss hook; `LossContext` says what
-else a loss may use).
-
-Every local step should go through `sgd_step(loss)` (backward, `after_backward`, gradient clipping
-(`--trainer.gradient_clip_val`), optimizer step, `after_optimizer_step`): the base
-`after_optimizer_step` enforces the FedCONST constraint (`constraint` option, fedconst.py), so
-overrides must call super().
+What the callbacks read of a method without knowing its family: `accuracy_key` (the metric that
+is the run's accuracy) and `analysis_models()` (the models the analyses look at). How a local
+step is taken (Lightning's path or a direct one, clipping, the FedCONST constraint) is
+`local_step.py`; per-step values wait in `local_logs.py` for the round's end.
 """
 
 from __future__ import annotations
@@ -52,23 +91,21 @@ from pathlib import Path
 from typing import Literal
 
 import lightning as L
-import numpy as np
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
-from fl_lightning import compat
 from fl_lightning.client_store import ClientStateStore
 from fl_lightning.data.datamodule import ClientWork
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
 from fl_lightning.evaluation import EvalResult, Evaluation, evaluate
-from fl_lightning.fedconst import CONSTRAINT_MODES, ChannelConstraint, constrained_names
-from fl_lightning.federation import log_round_metrics
+from fl_lightning.fedconst import CONSTRAINT_MODES
+from fl_lightning.methods.local_logs import LocalLogs
+from fl_lightning.methods.local_step import LocalSteps, round_constraint
 from fl_lightning.models import FLModel, build_model
-from fl_lightning.parallel import ClientParallelStrategy, clients_in_parallel
+from fl_lightning.parallel import clients_in_parallel
+from fl_lightning.round_metrics import log_round_metrics
 from fl_lightning.state import ServerState, State, WorkingCopies, state_loader
 from fl_lightning.uploads import ClientUpload, RoundUploads, ServerUpdate
 
@@ -106,31 +143,11 @@ class LossContext:
 NO_CONTEXT = LossContext()  # a loss that uses nothing else (frozen, so one instance serves every step)
 
 
-class LocalSteps:
-    """The current client's step counters. A plain object, not module attributes: setting an
-    attribute of an `nn.Module` checks its parameters, buffers and submodules, which a small
-    model's local step would pay several times.
-
-    Attributes:
-        taken: local steps the current client has taken this round (`local_step`).
-        direct: of these, steps taken without Lightning's optimizer wrapper, which Lightning's
-            step counter (`trainer.global_step`) learns of when the client's training ends.
-        base_hook_ran: the base `after_optimizer_step` ran in the current step (see sgd_step).
-    """
-
-    __slots__ = ("taken", "direct", "base_hook_ran")
-
-    def __init__(self):
-        self.taken = self.direct = 0
-        self.base_hook_ran = False
-
-
 def seed_rngs(seed: int, device: torch.device) -> None:
     """Seeds the global generators a client's training draws from: the CPU's, and the one of
     `device` if it is an accelerator (dropout, augmentation and a method's draws on the GPU).
     `torch.manual_seed` would also queue a lazy seed for every accelerator type torch knows but
-    this process does not use (CUDA, XPU, MTIA), formatting a stack trace for each: that alone
-    cost about as much as 5 local steps of a small model, per client."""
+    this process does not use (CUDA, XPU, MTIA), formatting a stack trace for each, per client."""
     torch.default_generator.manual_seed(seed)
     if device.type == "cuda":
         with torch.cuda.device(device):
@@ -139,23 +156,14 @@ def seed_rngs(seed: int, device: torch.device) -> None:
         torch.get_device_module(device.type).manual_seed(seed)
 
 
-def _weighted_sum(values: list, sizes: list[int]) -> tuple[float, float]:
-    """(sum of value * size, sum of sizes) in float64, with one device sync for all values."""
-    stacked = torch.as_tensor([float(v) for v in values], dtype=torch.float64) if not all(
-        isinstance(v, torch.Tensor) for v in values) else torch.stack(values).double().cpu()
-    # numpy reads a list of ints faster than torch.as_tensor, and the sizes' sum is exact in
-    # Python as in float64 (integers)
-    weights = torch.from_numpy(np.asarray(sizes, dtype=np.float64))
-    return float((stacked * weights).sum()), float(sum(sizes))
-
-
 @abstract_base
 class FederatedMethod(L.LightningModule):
     """The common base of both method families: the local optimizer and step (manual
     optimization through `sgd_step`), one Trainer batch = one client (`training_step` calls
     `minibatch_step` per local mini-batch), per-step logs, per-client state, and the round's
     hooks the federated callback calls. `SharedModelMethod` (one global model) and
-    `hetero.base.HeteroMethod` (a model per client) are its two siblings.
+    `hetero.base.HeteroMethod` (a model per client) are its two siblings. Which hooks a method
+    overrides: the module docstring's three tiers.
 
     Args:
         model: architecture name (see `fl_lightning.models.MODELS`), or a model group for
@@ -206,17 +214,13 @@ class FederatedMethod(L.LightningModule):
         self.round_idx = -1
         self.current_client: int | None = None
         self.current_num_samples = 0
-        self.steps = LocalSteps()
+        self.steps = LocalSteps()  # how local steps are taken, and the current client's count
+        self.local_logs = LocalLogs()  # what `log_local` recorded this round
         # the three homes of state (module docstring): the server's, every client's, working copies
         self.server = ServerState()
         self.client_states = ClientStateStore()
         self.copies = WorkingCopies()
-        self.constraint = constraint
-        self._constraint: ChannelConstraint | None = None  # this round's constraint set
-        self._local_logs: dict[str, tuple[list, list[int]]] = {}
-        self._direct_steps = False  # see sgd_step
-        self._local_optimizer: torch.optim.Optimizer | None = None  # the torch optimizer, for direct steps
-        self._gradient_clip: tuple[float, str] = (0.0, "norm")  # see clip_local_gradients
+        self.constraint = constraint  # the FedCONST mode; the round's constraint set is steps.constraint
 
     # ---- optimizer ----------------------------------------------------------------------------
     def local_parameters(self) -> Iterable[nn.Parameter]:
@@ -246,25 +250,7 @@ class FederatedMethod(L.LightningModule):
         return self.steps.taken
 
     def on_train_start(self) -> None:
-        self._direct_steps = self._steps_need_no_lightning_wrappers()
-        self._local_optimizer = self.optimizers().optimizer
-        # --trainer.gradient_clip_val / _algorithm: Lightning refuses them under manual
-        # optimization, so the CLI's Trainer (trainer.py:FLTrainer) keeps them for us
-        self._gradient_clip = (float(getattr(self.trainer, "local_gradient_clip_val", 0.0) or 0.0),
-                               getattr(self.trainer, "local_gradient_clip_algorithm", "norm"))
-
-    def _steps_need_no_lightning_wrappers(self) -> bool:
-        """True on one device per process (one device, or clients in parallel: no DDP wrapper)
-        with 32-bit precision when neither a callback nor the module overrides a per-step
-        optimization hook: `manual_backward` and `LightningOptimizer.step` then add nothing but
-        their cost (a third of a small model's step)."""
-        trainer = self.trainer
-        one_device = type(trainer.strategy) is SingleDeviceStrategy or type(trainer.strategy) is ClientParallelStrategy
-        if not one_device or type(trainer.precision_plugin) is not Precision:
-            return False
-        hooks = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
-        listeners = [(type(cb), L.Callback) for cb in trainer.callbacks] + [(type(self), FederatedMethod)]
-        return not any(getattr(cls, h) is not getattr(base, h) for cls, base in listeners for h in hooks)
+        self.steps.start_training(self, FederatedMethod)
 
     # ---- randomness ---------------------------------------------------------------------------
     def run_seed(self) -> int:
@@ -320,7 +306,7 @@ class FederatedMethod(L.LightningModule):
         zero. Dropped when the round ends, they stay out of the round checkpoint (as many bytes as
         the model's parameters: half of an `mlp` checkpoint) and out of memory between rounds.
         (No local optimizer before fit's training starts.)"""
-        if self._local_optimizer is not None:
+        if self.steps.optimizer is not None:
             self.reset_optimizer_state()
 
     def local_model_stats(self, test_loader: Callable[[], Iterable], per_class: bool = False) -> dict[str, float]:
@@ -389,9 +375,7 @@ class FederatedMethod(L.LightningModule):
         convert = trainer.precision_plugin.convert_input  # e.g. float64 inputs for 64-true
         for batch in trainer.datamodule.minibatches(work):
             self.minibatch_step(convert(batch))
-        if self.steps.direct:
-            compat.count_manual_optimizer_steps(trainer, self.steps.direct)
-            self.steps.direct = 0
+        self.steps.count_in(trainer)  # the steps taken past Lightning's wrappers (local_step.py)
 
     def minibatch_step(self, batch) -> torch.Tensor | None:
         """One local step on one mini-batch (x, y); methods with their own step override this."""
@@ -402,96 +386,20 @@ class FederatedMethod(L.LightningModule):
         return loss
 
     def log_local(self, metrics: dict[str, torch.Tensor | float], batch_size: int) -> None:
-        """Per-step values, accumulated on the device and logged once per round by the federated
-        callback (`flush_local_logs`) as their batch-size-weighted mean over all local steps of the
-        round: Lightning's `log` costs far more than a small model's step."""
-        for key, value in metrics.items():
-            values = self._local_logs.setdefault(key, ([], []))
-            values[0].append(value.detach() if isinstance(value, torch.Tensor) else value)
-            values[1].append(batch_size)
-
-    def flush_local_logs(self) -> dict[str, tuple[float, float]]:
-        """What `log_local` collected this round on this process, as {key: (batch-size-weighted
-        sum, total batch size)} (and forgets it); `merge_local_logs` turns such parts into means."""
-        sums = {key: _weighted_sum(values, sizes) for key, (values, sizes) in self._local_logs.items()}
-        self._local_logs = {}
-        return sums
-
-    def local_log_position(self) -> dict[str, int]:
-        """Where `log_local`'s records stand now (for `local_log_means` of one client)."""
-        return {key: len(values) for key, (values, _) in self._local_logs.items()}
-
-    def local_log_means(self, since: dict[str, int], until: dict[str, int] | None = None) -> dict[str, float]:
-        """The batch-size-weighted means of what `log_local` recorded after `since` and up to
-        `until` (positions from `local_log_position`; None: up to now), e.g. one client's local
-        training: its row in the round's per-client table."""
-        out = {}
-        for key, (values, sizes) in self._local_logs.items():
-            start = since.get(key, 0)
-            end = len(values) if until is None else until.get(key, 0)
-            if end > start:
-                total, weight = _weighted_sum(values[start:end], sizes[start:end])
-                out[key] = total / weight
-        return out
-
-    @staticmethod
-    def merge_local_logs(parts: list[dict[str, tuple[float, float]]]) -> dict[str, float]:
-        """The round's means over the parts of every process (in rank order)."""
-        merged: dict[str, tuple[float, float]] = {}
-        for part in parts:
-            for key, (s, w) in part.items():
-                s0, w0 = merged.get(key, (0.0, 0.0))
-                merged[key] = (s0 + s, w0 + w)
-        return {key: s / w for key, (s, w) in merged.items()}
+        """Per-step values (e.g. {"train/loss": loss}), logged once per round as their
+        batch-size-weighted mean over all local steps of the round (local_logs.py)."""
+        self.local_logs.add(metrics, batch_size)
 
     def sgd_step(self, loss: torch.Tensor) -> None:
-        steps = self.steps
-        if self._direct_steps:
-            # one device, 32-bit, no per-step hook anyone listens to: Lightning's backward and step
-            # wrappers would only dispatch empty hooks (and this module's on_before_optimizer_step,
-            # called here instead); Lightning's step counter learns of these steps at the client's end
-            # (torch's profiler annotations of zero_grad and step, which cost a small model a
-            # tenth of its step, are left out unless a profiler records: compat.py)
-            opt = self._local_optimizer
-            compat.release_gradients(opt)
-            loss.backward()
-            self.on_before_optimizer_step(opt)
-            compat.step_optimizer(opt)
-            steps.direct += 1
-        else:  # precision plugins (autocast, loss scaling), DDP and per-step callback hooks
-            opt = self.optimizers()
-            opt.zero_grad(set_to_none=True)
-            self.manual_backward(loss)
-            opt.step()  # Lightning calls on_before_optimizer_step inside, after unscaling
-        steps.base_hook_ran = False
-        self.after_optimizer_step()
-        if self._constraint is not None and not steps.base_hook_ran:
-            raise RuntimeError(f"{type(self).__name__}.after_optimizer_step() must call "
-                               f"super().after_optimizer_step(): it enforces the FedCONST constraint")
-        steps.taken += 1
+        """One local step on `loss`: backward, `after_backward`, gradient clipping
+        (`--trainer.gradient_clip_val`), the optimizer's step, `after_optimizer_step`; how it is
+        taken (through Lightning's wrappers or past them) is local_step.py's."""
+        self.steps.take(self, loss)
 
     def after_backward(self) -> None:
         """Hook between backward and step: gradient corrections (SCAFFOLD's c - c_i, FedSOL's
         projection). It sees the gradients as the optimizer will (unscaled by any loss scaler:
         it runs in `on_before_optimizer_step`), so a correction added here is added at its true size."""
-
-    def on_before_optimizer_step(self, optimizer) -> None:
-        """Lightning calls this right before every local step (`sgd_step` calls it itself on its
-        direct path), after a loss scaler (16-mixed's GradScaler) has unscaled the gradients: the
-        place for gradient corrections (`after_backward`) and then clipping. Overrides must call
-        super()."""
-        self.after_backward()
-        self.clip_local_gradients(optimizer)
-
-    def clip_local_gradients(self, optimizer) -> None:
-        """`--trainer.gradient_clip_val` / `--trainer.gradient_clip_algorithm` on every local step,
-        through Lightning's `clip_gradients` (its precision plugin). The clipped gradient is the one
-        the optimizer steps with: after `after_backward`'s corrections (SCAFFOLD's c - c_i, FedSOL's
-        projection), and after any perturbation (FedSAM/FedSOL's perturbed gradient); weight decay
-        and momentum come after, inside the optimizer, as with Lightning's automatic clipping."""
-        clip_val, algorithm = self._gradient_clip
-        if clip_val > 0:
-            self.clip_gradients(optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm)
 
     def after_optimizer_step(self) -> None:
         """Hook after every local step: projections that must hold after momentum/weight decay.
@@ -500,9 +408,34 @@ class FederatedMethod(L.LightningModule):
         `super().after_optimizer_step()`, last if their own changes must also be constrained;
         `sgd_step` raises if an override skips it while a constraint is on.
         """
-        if self._constraint is not None:
-            self._constraint.apply(self.model)
-        self.steps.base_hook_ran = True
+        self.steps.constrain(self.model)
+
+    def clip_local_gradients(self, optimizer) -> None:
+        """`--trainer.gradient_clip_val` / `--trainer.gradient_clip_algorithm` on every local step,
+        through Lightning's `clip_gradients` (its precision plugin). The clipped gradient is the one
+        the optimizer steps with: after `after_backward`'s corrections (SCAFFOLD's c - c_i, FedSOL's
+        projection), and after any perturbation (FedSAM/FedSOL's perturbed gradient); weight decay
+        and momentum come after, inside the optimizer, as with Lightning's automatic clipping."""
+        self.steps.clip_gradients(self, optimizer)
+
+    # ---- for the round driver and Lightning only (module docstring): not to override ---------
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Lightning calls this right before every local step (the direct path of `sgd_step` calls
+        it itself), after a loss scaler (16-mixed's GradScaler) has unscaled the gradients: the
+        place for gradient corrections (`after_backward`) and then clipping."""
+        self.after_backward()
+        self.clip_local_gradients(optimizer)
+
+    def local_log_position(self) -> dict[str, int]:
+        return self.local_logs.position()  # before and after a client: its span of the logs
+
+    def local_log_means(self, since: dict[str, int], until: dict[str, int] | None = None) -> dict[str, float]:
+        return self.local_logs.means(since, until)  # one client's means: its row's train_loss
+
+    def flush_local_logs(self) -> dict[str, tuple[float, float]]:
+        return self.local_logs.flush()  # this process's part of the round's means
+
+    merge_local_logs = staticmethod(LocalLogs.merge)  # the round's means from every process's part
 
     def round_end(self) -> None:
         self.lr_schedulers().step()
@@ -602,8 +535,7 @@ class SharedModelMethod(FederatedMethod):
             # eval(): a teacher's output should not depend on BN batch mode or dropout draws
             self.copies.get("teacher", self.model, self.global_weights, self.device)
         if self.constraint != "none":
-            names = constrained_names(self.model)
-            self._constraint = ChannelConstraint(self.constraint, self.global_weights, names)
+            self.steps.constraint = round_constraint(self.constraint, self.model, self.global_weights)
 
     @property
     def global_model(self) -> FLModel:
