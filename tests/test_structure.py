@@ -43,3 +43,38 @@ def test_no_method_module_imports_the_round_driver():
     offenders = [str(p.relative_to(PACKAGE)) for p in modules
                  if any(m == ROUND_DRIVER or m.startswith(ROUND_DRIVER + ".") for m in imported_modules(p))]
     assert offenders == []
+
+
+def test_importing_the_methods_does_not_load_the_round_driver():
+    """Nor indirectly: every method module imported, `fl_lightning.federation` is still not loaded."""
+    import subprocess
+    import sys
+
+    code = ("import sys, fl_lightning.methods; "
+            f"print(sorted(m for m in sys.modules if m == {ROUND_DRIVER!r} or m.startswith({ROUND_DRIVER + '.'!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# the hooks each tier of base.py's contract names, and the methods its docstring gives as examples
+TIERS = {
+    "Tier 1": (("loss",), ("FedProx", "FedNTD")),
+    "Tier 2": (("minibatch_step",), ("FedSAM", "FedSOL", "Ditto", "PerFedAvg")),
+    "Tier 3": (("client_start", "client_end", "server_step"), ("SCAFFOLD", "FedDyn", "MOON", "FedNova")),
+}
+
+
+def test_the_contracts_examples_override_their_tiers_hooks():
+    """The contract's examples are real: each tier's first example overrides every hook the tier
+    names, the others at least one, in their own class body (not inherited)."""
+    from fl_lightning import methods
+    from fl_lightning.methods import base
+
+    doc = base.__doc__
+    for tier, (hooks, examples) in TIERS.items():
+        assert tier in doc and all(f"`{h}(" in doc for h in hooks), tier
+        assert f"Example: {examples[0]} (" in doc, tier
+        for i, name in enumerate(examples):
+            assert name.replace("PerFedAvg", "Per-FedAvg") in doc, name
+            own = set(vars(getattr(methods, name))) & set(hooks)
+            assert own == set(hooks) if i == 0 else own, (tier, name, own)

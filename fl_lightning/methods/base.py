@@ -1,11 +1,11 @@
 """The method contract: what a federated method is, and which of its hooks to override.
 
 A method is a manual-optimization LightningModule that states, in one place, what a client
-receives, how it takes one local step, what it uploads and how the server combines the uploads.
-The round driver (the federated callback, federation.py) calls its hooks; a method never imports
-the driver. To write one, subclass `SharedModelMethod` (one global model; every hook's default is
-FedAvg's) or `hetero.base.HeteroMethod` (a model per client), and override the first tier that
-does what the method needs:
+receives, how it takes its local steps, what it uploads and how the server combines the uploads.
+The round driver (the federated callback, federation.py) calls its hooks and knows no method by
+name; a method never imports the driver. To write one, subclass `SharedModelMethod` (one global
+model; every hook's default is FedAvg's) or `hetero.base.HeteroMethod` (a model per client), and
+override the first tier that does what the method needs:
 
 Tier 1, the local objective: `loss(model, batch, context)`. Most methods change only what a
     client minimises. The default local step steps on it, and personalised fine-tuning with
@@ -15,40 +15,27 @@ Tier 1, the local objective: `loss(model, batch, context)`. Most methods change 
     frozen-classifier methods (frozen/).
 Tier 2, the local step: `minibatch_step(batch)`, for a step that is not one backward of one
     loss: two passes (a perturbed gradient), a second model trained alongside. It calls
-    `sgd_step(loss)` for the step and `log_local(values, batch_size)` for its per-step values,
-    and returns the step's loss. Inside `sgd_step`, `after_backward()` corrects the gradients
-    before the optimizer sees them and `after_optimizer_step()` projects the weights after it
-    (call super(): the base enforces the FedCONST constraint).
+    `sgd_step(loss)` to step and `log_local(values, batch_size)` for its per-step values, and
+    returns the step's loss. Inside `sgd_step`, `after_backward()` corrects the gradients before
+    the optimizer sees them and `after_optimizer_step()` projects the weights after it (call
+    super(): the base enforces the FedCONST constraint).
     Example: FedSAM (baselines/fedsam.py), a clean pass for the perturbation and a perturbed
     pass to step on; also FedSOL (fedsol/), Ditto and Per-FedAvg (personalized/).
 Tier 3, state across rounds: `client_start(client, num_samples)`, `client_end()` and
     `server_step(uploads)`, for methods that keep state on the clients or the server. Each calls
-    super() and adds its own: `client_start` loads the global state and resets the optimizer,
-    then the method loads the client's state (`client_state(client, prefix)`); `client_end`
-    returns FedAvg's `ClientUpload`, to which the method adds its upload groups and, in
-    `upload.kept` under a prefix of its own, what the client keeps (`prefixed`); `server_step`
+    super() and adds its own: after `client_start` has loaded the global state and reset the
+    optimizer, the method loads the client's state (`client_state(client, prefix)`);
+    `client_end` returns FedAvg's `ClientUpload`, to which the method adds its upload groups and,
+    in `upload.kept` under a prefix of its own (`prefixed`), what the client keeps; `server_step`
     returns a `ServerUpdate`, to which it adds new values of the server state it declared in
     `__init__` (`self.server.tensors(...)`).
     Example: SCAFFOLD (baselines/scaffold.py): c_i loaded in `client_start`, c - c_i added in
     `after_backward`, delta c_i uploaded and c_i+ kept in `client_end`, c updated in
     `server_step`; also FedDyn, MOON and FedNova (baselines/).
 
-Less often overridden (a family's or an unusual method's): `round_start`, `round_end`,
-`apply_server_update` and `abandon_round` (call super()), `local_parameters` (what the local
-optimizer updates), `predict_logits` (the class scores of every accuracy), `loss_context`,
-`personal_keys` and `build_network` (SharedModelMethod), `personal_model`, `finetune_start`,
-`analysis_models`, `local_model_stats`, `global_test_metrics`.
-
-Helpers a method calls and does not override: `sgd_step`, `log_local`, `clip_local_gradients`
-(a step of the method's own optimizer, e.g. Ditto's personal one), `client_state`, `prefixed`,
-`local_step`, `current_lr`, `reset_optimizer_state`, `seed_client`, `server_seed`,
-`mean_across_devices`, `evaluate`.
-
-For the round driver and Lightning only (do not override): `training_step` (one client's local
-training: `minibatch_step` per mini-batch), `on_train_start`, `on_before_optimizer_step`
-(override `after_backward` instead), `local_log_position`, `local_log_means`,
-`flush_local_logs`, `merge_local_logs`, `configure_client_stores`, and the checkpoint hooks
-(`on_save_checkpoint`, `on_load_checkpoint`: family bases extend them).
+`FederatedMethod`'s sections follow the tiers, then: hooks a family or an unusual method
+overrides; helpers a method calls and does not override; hooks for the round driver and
+Lightning only, which no method overrides (family bases extend the checkpoint hooks).
 
 The round driver calls the hooks in this order:
 
@@ -74,12 +61,11 @@ client's own state is `self.client_states[client]` (`client_store.ClientStateSto
 of tensors per client, under a prefix per kind: "model." for the client's own part of the model,
 "c." for SCAFFOLD's c_i, ...), written only from `upload.kept`; models a client uses for a while
 (a frozen teacher, a previous or personal model) are `self.copies` (`state.WorkingCopies`), never
-saved.
+saved. What the callbacks read of a method without knowing its family: `accuracy_key` (the metric
+that is the run's accuracy) and `analysis_models()` (the models the analyses look at).
 
-What the callbacks read of a method without knowing its family: `accuracy_key` (the metric that
-is the run's accuracy) and `analysis_models()` (the models the analyses look at). How a local
-step is taken (Lightning's path or a direct one, clipping, the FedCONST constraint) is
-`local_step.py`; per-step values wait in `local_logs.py` for the round's end.
+How a local step is taken (through Lightning's wrappers or past them, clipping, the FedCONST
+constraint) is local_step.py's; per-step values wait in local_logs.py for the round's end.
 """
 
 from __future__ import annotations
@@ -222,56 +208,44 @@ class FederatedMethod(L.LightningModule):
         self.copies = WorkingCopies()
         self.constraint = constraint  # the FedCONST mode; the round's constraint set is steps.constraint
 
-    # ---- optimizer ----------------------------------------------------------------------------
-    def local_parameters(self) -> Iterable[nn.Parameter]:
-        """What the local optimizer updates; frozen-classifier methods leave the head out."""
-        return [p for p in self.model.parameters() if p.requires_grad]
+    # ---- tier 1: the local objective -------------------------------------------------------------
+    def loss(self, model: nn.Module, batch, context: LossContext) -> torch.Tensor:
+        """The method's local objective on `model` for one mini-batch (x, y): the one loss hook of
+        both local training (`minibatch_step`: `loss(self.model, batch, self.loss_context())`)
+        and personalised fine-tuning with `objective: method` (a copy of the start model, context
+        with `finetuning=True`, `personalization.py`). Plain CE here; methods whose local loss
+        differs override this, computing on `model`, never on `self.model`."""
+        x, y = batch
+        return F.cross_entropy(model(x), y)
 
-    def configure_optimizers(self):
-        h = self.hparams
-        opt = torch.optim.SGD(self.local_parameters(), lr=h.lr, momentum=h.momentum, weight_decay=h.weight_decay)
-        if h.lr_milestones:
-            sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=list(h.lr_milestones),
-                                                         gamma=h.lr_milestone_gamma)
-        else:
-            sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=h.lr_decay)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+    def loss_context(self) -> LossContext:
+        """What `loss` may use in the current client's local training (see LossContext)."""
+        return NO_CONTEXT
 
-    def current_lr(self) -> float:
-        return float(self.optimizers().optimizer.param_groups[0]["lr"])
+    # ---- tier 2: the local step ------------------------------------------------------------------
+    def minibatch_step(self, batch) -> torch.Tensor | None:
+        """One local step on one mini-batch (x, y); methods with their own step override this."""
+        loss = self.loss(self.model, batch, self.loss_context())
+        self.sgd_step(loss)
+        loss = loss.detach()
+        self.log_local({"train/loss": loss}, len(batch[1]))
+        return loss
 
-    def reset_optimizer_state(self) -> None:
-        """Momentum buffers start at zero for every client, every round, and are never uploaded."""
-        self.optimizers().optimizer.state.clear()
+    def after_backward(self) -> None:
+        """Hook between backward and step: gradient corrections (SCAFFOLD's c - c_i, FedSOL's
+        projection). It sees the gradients as the optimizer will (unscaled by any loss scaler:
+        it runs in `on_before_optimizer_step`), so a correction added here is added at its true size."""
 
-    @property
-    def local_step(self) -> int:
-        """Local steps the current client has taken this round."""
-        return self.steps.taken
+    def after_optimizer_step(self) -> None:
+        """Hook after every local step: projections that must hold after momentum/weight decay.
 
-    def on_train_start(self) -> None:
-        self.steps.start_training(self, FederatedMethod)
+        The base version enforces the FedCONST constraint (`constraint`). Overrides must call
+        `super().after_optimizer_step()`, last if their own changes must also be constrained;
+        `sgd_step` raises if an override skips it while a constraint is on.
+        """
+        self.steps.constrain(self.model)
 
-    # ---- randomness ---------------------------------------------------------------------------
-    def run_seed(self) -> int:
-        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        return int(dm.hparams.seed) if dm is not None else 0
-
-    def server_seed(self) -> int:
-        """Seeds the server's random draws of this round (shuffles, generator samples)."""
-        return self.run_seed() * 1_000_003 + self.round_idx
-
-    def seed_client(self, client: int) -> None:
-        """Seeds the global RNG by (seed, round, client) as the client starts: its dropout and any
-        draw a method makes during local training are the same whichever process trains it, and
-        in a resumed run the same as in an uninterrupted one."""
-        seed_rngs(self.run_seed() * 1_000_003 + self.round_idx * 10_007 + client, self.device)
-
-    # ---- the round (each sibling implements these) ---------------------------------------------
-    def round_start(self, round_idx: int, clients: list[int]) -> None:
-        """Server: take this round's starting state (before any client runs)."""
-        self.round_idx = round_idx
-
+    # ---- tier 3: state across rounds (each sibling implements these) -----------------------------
     def client_start(self, client: int, num_samples: int) -> None:
         """Client: receive what the server sends (and the client's own state); fresh optimizer."""
         raise NotImplementedError
@@ -280,14 +254,20 @@ class FederatedMethod(L.LightningModule):
         """Client: what it sends, and in `kept` what it keeps for itself (see ClientUpload)."""
         raise NotImplementedError
 
-    accuracy_key: str = "global/test_acc"  # the logged metric that is the run's accuracy
-
     def server_step(self, uploads: RoundUploads) -> ServerUpdate:
         """Server: the accepted uploads -> the next round's state, returned, not applied. Sums over
         the round's clients go through `uploads.sum` / `uploads.weighted_average` (they reduce
         across processes when clients train in parallel); a rule that is not a sum takes
         `uploads.gathered()`."""
         raise NotImplementedError
+
+    # ---- hooks a family or an unusual method overrides -------------------------------------------
+    def round_start(self, round_idx: int, clients: list[int]) -> None:
+        """Server: take this round's starting state (before any client runs)."""
+        self.round_idx = round_idx
+
+    def round_end(self) -> None:
+        self.lr_schedulers().step()
 
     def apply_server_update(self, update: ServerUpdate) -> None:
         """Called by the round callback with `server_step`'s result once it is known finite."""
@@ -301,13 +281,15 @@ class FederatedMethod(L.LightningModule):
         self.current_client = None
         self._drop_local_optimizer_state()
 
-    def _drop_local_optimizer_state(self) -> None:
-        """The round's last client's momentum buffers are of no use: the next client starts from
-        zero. Dropped when the round ends, they stay out of the round checkpoint (as many bytes as
-        the model's parameters: half of an `mlp` checkpoint) and out of memory between rounds.
-        (No local optimizer before fit's training starts.)"""
-        if self.steps.optimizer is not None:
-            self.reset_optimizer_state()
+    def local_parameters(self) -> Iterable[nn.Parameter]:
+        """What the local optimizer updates; frozen-classifier methods leave the head out."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def predict_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Class scores used for every accuracy; cosine-classifier methods override this."""
+        return self.model(x)
+
+    accuracy_key: str = "global/test_acc"  # the logged metric that is the run's accuracy
 
     def local_model_stats(self, test_loader: Callable[[], Iterable], per_class: bool = False) -> dict[str, float]:
         """Called right after `client_end`: measures of the client's just-trained model for the
@@ -320,20 +302,6 @@ class FederatedMethod(L.LightningModule):
         the prefix of its logged keys: ("", the global model), or for methods without one
         ("client_k/", client k's model) for clients 0 .. max_clients-1."""
         raise NotImplementedError
-
-    def client_state(self, client: int, prefix: str) -> State | None:
-        """The part of `client_states[client]` stored under `prefix` (e.g. "c." for SCAFFOLD's
-        c_i), with the prefix removed; None when the client has none."""
-        state = self.client_states.get(client)
-        if state is None:
-            return None
-        part = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        return part or None
-
-    @staticmethod
-    def prefixed(prefix: str, state: Mapping[str, torch.Tensor]) -> State:
-        """`state` with every key under `prefix`, detached (an `upload.kept` part)."""
-        return {prefix + k: v.detach() for k, v in state.items()}
 
     def finetune_start(self, client: int) -> FLModel:
         """The model personalised fine-tuning of `client` starts from (it is copied, never
@@ -353,19 +321,87 @@ class FederatedMethod(L.LightningModule):
         as `final/*`); nothing for methods without a global model."""
         return {}
 
-    # ---- the local training ---------------------------------------------------------------------
-    def loss(self, model: nn.Module, batch, context: LossContext) -> torch.Tensor:
-        """The method's local objective on `model` for one mini-batch (x, y): the one loss hook of
-        both local training (`minibatch_step`: `loss(self.model, batch, self.loss_context())`)
-        and personalised fine-tuning with `objective: method` (a copy of the start model, context
-        with `finetuning=True`, `personalization.py`). Plain CE here; methods whose local loss
-        differs override this, computing on `model`, never on `self.model`."""
-        x, y = batch
-        return F.cross_entropy(model(x), y)
+    # ---- helpers a method calls (not to override) ------------------------------------------------
+    def sgd_step(self, loss: torch.Tensor) -> None:
+        """One local step on `loss`: backward, `after_backward`, gradient clipping
+        (`--trainer.gradient_clip_val`), the optimizer's step, `after_optimizer_step`; how it is
+        taken (through Lightning's wrappers or past them) is local_step.py's."""
+        self.steps.take(self, loss)
 
-    def loss_context(self) -> LossContext:
-        """What `loss` may use in the current client's local training (see LossContext)."""
-        return NO_CONTEXT
+    def log_local(self, metrics: dict[str, torch.Tensor | float], batch_size: int) -> None:
+        """Per-step values (e.g. {"train/loss": loss}), logged once per round as their
+        batch-size-weighted mean over all local steps of the round (local_logs.py)."""
+        self.local_logs.add(metrics, batch_size)
+
+    def clip_local_gradients(self, optimizer) -> None:
+        """`--trainer.gradient_clip_val` / `--trainer.gradient_clip_algorithm` on every local step,
+        through Lightning's `clip_gradients` (its precision plugin). The clipped gradient is the one
+        the optimizer steps with: after `after_backward`'s corrections (SCAFFOLD's c - c_i, FedSOL's
+        projection), and after any perturbation (FedSAM/FedSOL's perturbed gradient); weight decay
+        and momentum come after, inside the optimizer, as with Lightning's automatic clipping."""
+        self.steps.clip_gradients(self, optimizer)
+
+    def client_state(self, client: int, prefix: str) -> State | None:
+        """The part of `client_states[client]` stored under `prefix` (e.g. "c." for SCAFFOLD's
+        c_i), with the prefix removed; None when the client has none."""
+        state = self.client_states.get(client)
+        if state is None:
+            return None
+        part = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        return part or None
+
+    @staticmethod
+    def prefixed(prefix: str, state: Mapping[str, torch.Tensor]) -> State:
+        """`state` with every key under `prefix`, detached (an `upload.kept` part)."""
+        return {prefix + k: v.detach() for k, v in state.items()}
+
+    @property
+    def local_step(self) -> int:
+        """Local steps the current client has taken this round."""
+        return self.steps.taken
+
+    def current_lr(self) -> float:
+        return float(self.optimizers().optimizer.param_groups[0]["lr"])
+
+    def reset_optimizer_state(self) -> None:
+        """Momentum buffers start at zero for every client, every round, and are never uploaded."""
+        self.optimizers().optimizer.state.clear()
+
+    def run_seed(self) -> int:
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        return int(dm.hparams.seed) if dm is not None else 0
+
+    def server_seed(self) -> int:
+        """Seeds the server's random draws of this round (shuffles, generator samples)."""
+        return self.run_seed() * 1_000_003 + self.round_idx
+
+    def seed_client(self, client: int) -> None:
+        """Seeds the global RNG by (seed, round, client) as the client starts: its dropout and any
+        draw a method makes during local training are the same whichever process trains it, and
+        in a resumed run the same as in an uninterrupted one."""
+        seed_rngs(self.run_seed() * 1_000_003 + self.round_idx * 10_007 + client, self.device)
+
+    def mean_across_devices(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Gradients taken with torch.autograd.grad bypass DDP's all-reduce; average them here so
+        every rank perturbs identically (a no-op on one device, and when the ranks train different
+        clients: `--federation.parallel clients`)."""
+        if self._trainer is None or self._trainer.world_size == 1 or clients_in_parallel(self._trainer):
+            return tensors
+        return [self.trainer.strategy.reduce(t, reduce_op="mean") for t in tensors]
+
+    # ---- for the round driver and Lightning only (not to override) -------------------------------
+    def configure_optimizers(self):
+        h = self.hparams
+        opt = torch.optim.SGD(self.local_parameters(), lr=h.lr, momentum=h.momentum, weight_decay=h.weight_decay)
+        if h.lr_milestones:
+            sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=list(h.lr_milestones),
+                                                         gamma=h.lr_milestone_gamma)
+        else:
+            sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=h.lr_decay)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+
+    def on_train_start(self) -> None:
+        self.steps.start_training(self, FederatedMethod)
 
     def training_step(self, work: ClientWork, batch_idx: int) -> None:
         """One Trainer batch is one client: its whole local training, one `minibatch_step` per
@@ -377,54 +413,15 @@ class FederatedMethod(L.LightningModule):
             self.minibatch_step(convert(batch))
         self.steps.count_in(trainer)  # the steps taken past Lightning's wrappers (local_step.py)
 
-    def minibatch_step(self, batch) -> torch.Tensor | None:
-        """One local step on one mini-batch (x, y); methods with their own step override this."""
-        loss = self.loss(self.model, batch, self.loss_context())
-        self.sgd_step(loss)
-        loss = loss.detach()
-        self.log_local({"train/loss": loss}, len(batch[1]))
-        return loss
-
-    def log_local(self, metrics: dict[str, torch.Tensor | float], batch_size: int) -> None:
-        """Per-step values (e.g. {"train/loss": loss}), logged once per round as their
-        batch-size-weighted mean over all local steps of the round (local_logs.py)."""
-        self.local_logs.add(metrics, batch_size)
-
-    def sgd_step(self, loss: torch.Tensor) -> None:
-        """One local step on `loss`: backward, `after_backward`, gradient clipping
-        (`--trainer.gradient_clip_val`), the optimizer's step, `after_optimizer_step`; how it is
-        taken (through Lightning's wrappers or past them) is local_step.py's."""
-        self.steps.take(self, loss)
-
-    def after_backward(self) -> None:
-        """Hook between backward and step: gradient corrections (SCAFFOLD's c - c_i, FedSOL's
-        projection). It sees the gradients as the optimizer will (unscaled by any loss scaler:
-        it runs in `on_before_optimizer_step`), so a correction added here is added at its true size."""
-
-    def after_optimizer_step(self) -> None:
-        """Hook after every local step: projections that must hold after momentum/weight decay.
-
-        The base version enforces the FedCONST constraint (`constraint`). Overrides must call
-        `super().after_optimizer_step()`, last if their own changes must also be constrained;
-        `sgd_step` raises if an override skips it while a constraint is on.
-        """
-        self.steps.constrain(self.model)
-
-    def clip_local_gradients(self, optimizer) -> None:
-        """`--trainer.gradient_clip_val` / `--trainer.gradient_clip_algorithm` on every local step,
-        through Lightning's `clip_gradients` (its precision plugin). The clipped gradient is the one
-        the optimizer steps with: after `after_backward`'s corrections (SCAFFOLD's c - c_i, FedSOL's
-        projection), and after any perturbation (FedSAM/FedSOL's perturbed gradient); weight decay
-        and momentum come after, inside the optimizer, as with Lightning's automatic clipping."""
-        self.steps.clip_gradients(self, optimizer)
-
-    # ---- for the round driver and Lightning only (module docstring): not to override ---------
     def on_before_optimizer_step(self, optimizer) -> None:
         """Lightning calls this right before every local step (the direct path of `sgd_step` calls
         it itself), after a loss scaler (16-mixed's GradScaler) has unscaled the gradients: the
         place for gradient corrections (`after_backward`) and then clipping."""
         self.after_backward()
         self.clip_local_gradients(optimizer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.predict_logits(x)
 
     def local_log_position(self) -> dict[str, int]:
         return self.local_logs.position()  # before and after a client: its span of the logs
@@ -437,18 +434,13 @@ class FederatedMethod(L.LightningModule):
 
     merge_local_logs = staticmethod(LocalLogs.merge)  # the round's means from every process's part
 
-    def round_end(self) -> None:
-        self.lr_schedulers().step()
-
-    # ---- evaluation ---------------------------------------------------------------------------
-    def predict_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Class scores used for every accuracy; cosine-classifier methods override this."""
-        return self.model(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.predict_logits(x)
-
-    # ---- client state: where the files go, checkpoints ----------------------------------------
+    def _drop_local_optimizer_state(self) -> None:
+        """The round's last client's momentum buffers are of no use: the next client starts from
+        zero. Dropped when the round ends, they stay out of the round checkpoint (as many bytes as
+        the model's parameters: half of an `mlp` checkpoint) and out of memory between rounds.
+        (No local optimizer before fit's training starts.)"""
+        if self.steps.optimizer is not None:
+            self.reset_optimizer_state()
 
     def configure_client_stores(self, directory, cache_size: int, rank: int = 0) -> None:
         """Where per-client state files go, how many clients stay in memory and which process
@@ -466,15 +458,6 @@ class FederatedMethod(L.LightningModule):
         path = getattr(self._trainer, "ckpt_path", None) if self._trainer is not None else None
         base = Path(path).parent / "client_states" if path else None
         self.client_states.load_checkpoint_state(checkpoint.get("fl_client_states", {"states": {}}), base=base)
-
-    # ---- multi-device -------------------------------------------------------------------------
-    def mean_across_devices(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Gradients taken with torch.autograd.grad bypass DDP's all-reduce; average them here so
-        every rank perturbs identically (a no-op on one device, and when the ranks train different
-        clients: `--federation.parallel clients`)."""
-        if self._trainer is None or self._trainer.world_size == 1 or clients_in_parallel(self._trainer):
-            return tensors
-        return [self.trainer.strategy.reduce(t, reduce_op="mean") for t in tensors]
 
 
 @abstract_base
