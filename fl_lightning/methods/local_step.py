@@ -7,7 +7,7 @@ optimizer's step, the method's `after_optimizer_step` (whose base version enforc
 constraint of the round, fedconst.py), and the count of steps taken. A method never needs this
 module: it calls `sgd_step(loss)` and overrides the hooks around it.
 
-Two paths take the step and give the same weights to the bit:
+Two paths take the step; where both can, they give the same weights to the bit:
 - Lightning's (`manual_backward`, `LightningOptimizer.step`): the precision plugin's autocast and
   loss scaling, a DDP model's gradient all-reduce, and every callback's and the module's per-step
   hooks (`on_before_backward`, `on_after_backward`, `on_before_optimizer_step`,
@@ -110,9 +110,9 @@ class LocalSteps:
 
     def _step_directly(self, module: L.LightningModule, loss: torch.Tensor) -> None:
         """Lightning's manual optimizer step without its wrappers (module docstring): the same
-        calls in the same order, the module's `on_before_optimizer_step` called here. torch's
-        profiler annotations of zero_grad and step are left out unless a profiler records
-        (compat.py)."""
+        torch operations in the same order, the module's `on_before_optimizer_step` called here,
+        the hooks nobody listens to left out. torch's profiler annotations of zero_grad and step
+        are left out too unless a profiler records (compat.py)."""
         opt = self.optimizer
         compat.release_gradients(opt)
         loss.backward()
