@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -39,6 +38,7 @@ from fl_lightning.loss_scaling import agree_on_scale, scaler_of
 from fl_lightning.outcome import Outcome
 from fl_lightning.parallel import ClientParallelStrategy, Collective, check_process_count
 from fl_lightning.round_decision import Collapse, Decision, Policy, RoundFacts, decide
+from fl_lightning.round_metrics import log_round_metrics
 from fl_lightning.state import ServerState
 from fl_lightning.uploads import ClientUpload, RoundUploads, ServerUpdate, all_finite
 
@@ -422,32 +422,6 @@ class FederatedCallback(L.Callback):
 def _update_finite(update: ServerUpdate, server: ServerState) -> bool:
     tensors = {str(i): t for i, t in enumerate(server.tensors_of(update.server_state))}
     return all_finite(update.global_state or {}) and all_finite(tensors)
-
-
-def log_round_metrics(trainer, metrics: Mapping[str, float | torch.Tensor], mean_over_processes: bool = False,
-                      progress_bar: tuple[str, ...] = ()) -> None:
-    """Publishes a round's scalars, already aggregated over the round: into
-    `trainer.callback_metrics` (what metrics.csv, the progress bar and monitoring callbacks read)
-    and to every logger, in the round's row; the keys in `progress_bar` also on the progress bar.
-    Lightning's `self.log` would aggregate each value over steps and processes first, a cost per
-    key that a small model's round, with its 30-odd values, notices. With
-    `mean_over_processes` every process contributes and the mean is published (one all_reduce);
-    every process must then call it with the same keys. A tensor value keeps its dtype in
-    `callback_metrics` unless averaged (the global evaluation's float32 accuracy and float64 loss)."""
-    values = {k: float(v) for k, v in metrics.items()}
-    if mean_over_processes and values:
-        keys = sorted(values)
-        mean = trainer.strategy.reduce(torch.tensor([values[k] for k in keys], dtype=torch.float64,
-                                                    device=trainer.strategy.root_device), reduce_op="mean")
-        values = dict(zip(keys, mean.cpu().tolist(), strict=True))
-        metrics = values
-    trainer.callback_metrics.update({k: v.detach().cpu() if torch.is_tensor(v) else torch.tensor(values[k])
-                                     for k, v in metrics.items()})
-    if progress_bar:
-        compat.progress_bar_metrics(trainer).update({k: values[k] for k in progress_bar})
-    if trainer.is_global_zero:
-        for logger in trainer.loggers:
-            logger.log_metrics({**values, "epoch": trainer.current_epoch}, step=trainer.global_step)
 
 
 def federation_of(trainer) -> FederatedCallback | None:

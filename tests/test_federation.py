@@ -295,7 +295,7 @@ def test_direct_steps_equal_lightning_wrapped_steps_and_count_every_step():
         method = FedAvg(model="mlp", data_spec=dm.spec)
         trainer = fit(method, dm, rounds=2, callbacks=[listener] if listener else [])
         steps = sum(w.num_steps for r in range(2) for w in dm.plan_round(r).clients)
-        assert method._direct_steps is (listener is None)
+        assert method.steps.direct is (listener is None)
         assert trainer.global_step == steps
         if listener is not None:
             assert listener.calls == steps

@@ -85,7 +85,7 @@ def test_clipped_steps_match_the_hand_written_update(algorithm, clip_val, wrappe
     listener = ListensToSteps()
     fit(method, dm, trainer_class=FLTrainer, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm,
         callbacks=[listener] if wrapped else [])
-    assert method._direct_steps is not wrapped
+    assert method.steps.direct is not wrapped
     assert listener.calls == (3 if wrapped else 0)
     got = {k: v.detach() for k, v in method.model.named_parameters()}
     for k, v in expected.items():

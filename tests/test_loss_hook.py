@@ -106,7 +106,7 @@ def test_finetuning_distils_from_the_start_model_as_teacher():
         return F.cross_entropy(logits, y) + 2.0 * ntd_loss(logits, t, y, 1.0)
 
     assert_same_params(got, hand_finetuned(cb, method.model, dm, 2, ntd))
-    assert not method._local_logs  # fine-tuning does not log into the next round's local means
+    assert not method.local_logs  # fine-tuning does not log into the next round's local means
 
 
 def test_terms_on_federated_state_are_left_out_of_finetuning():

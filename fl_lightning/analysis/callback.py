@@ -42,8 +42,9 @@ from fl_lightning.analysis.objective import HVP_MODES, SubsetObjective, eval_mod
 from fl_lightning.analysis.surface import DIRECTION_KINDS, filter_normalized_direction, slice_1d, surface_2d
 from fl_lightning.atomic import atomic_write_bytes
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import LOCAL_CLASS_ACC, federation_of, log_round_metrics
+from fl_lightning.federation import LOCAL_CLASS_ACC, federation_of
 from fl_lightning.loggers import FLWandbLogger
+from fl_lightning.round_metrics import log_round_metrics
 
 SURFACE_KINDS = (*DIRECTION_KINDS, "none")
 HVP_CHOICES = tuple(m for m in HVP_MODES if m != "auto")  # --analysis.hvp; "auto" is for direct use

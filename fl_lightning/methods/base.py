@@ -1,6 +1,43 @@
-"""The method contract. A method is a manual-optimization LightningModule that states, in one
-place, what a client receives, how it takes one local step, what it uploads and how the server
-combines the uploads. The federated callback (federation.py) calls these hooks in this order:
+"""The method contract: what a federated method is, and which of its hooks to override.
+
+A method is a manual-optimization LightningModule that states, in one place, what a client
+receives, how it takes its local steps, what it uploads and how the server combines the uploads.
+The round driver (the federated callback, federation.py) calls its hooks and knows no method by
+name; a method never imports the driver. To write one, subclass `SharedModelMethod` (one global
+model; every hook's default is FedAvg's) or `hetero.base.HeteroMethod` (a model per client), and
+override the first tier that does what the method needs:
+
+Tier 1, the local objective: `loss(model, batch, context)`. Most methods change only what a
+    client minimises. The default local step steps on it, and personalised fine-tuning with
+    `objective: method` uses the same hook; `LossContext` says what else a loss may use (the
+    frozen round-start model as `context.teacher` when the class sets `needs_global_model`).
+    Example: FedProx (baselines/fedprox.py), CE + (mu / 2) ||w - w_g||^2; also FedNTD and the
+    frozen-classifier methods (frozen/).
+Tier 2, the local step: `minibatch_step(batch)`, for a step that is not one backward of one
+    loss: two passes (a perturbed gradient), a second model trained alongside. It calls
+    `sgd_step(loss)` to step and `log_local(values, batch_size)` for its per-step values, and
+    returns the step's loss. Inside `sgd_step`, `after_backward()` corrects the gradients before
+    the optimizer sees them and `after_optimizer_step()` projects the weights after it (call
+    super(): the base enforces the FedCONST constraint).
+    Example: FedSAM (baselines/fedsam.py), a clean pass for the perturbation and a perturbed
+    pass to step on; also FedSOL (fedsol/), Ditto and Per-FedAvg (personalized/).
+Tier 3, state across rounds: `client_start(client, num_samples)`, `client_end()` and
+    `server_step(uploads)`, for methods that keep state on the clients or the server. Each calls
+    super() and adds its own: after `client_start` has loaded the global state and reset the
+    optimizer, the method loads the client's state (`client_state(client, prefix)`);
+    `client_end` returns FedAvg's `ClientUpload`, to which the method adds its upload groups and,
+    in `upload.kept` under a prefix of its own (`prefixed`), what the client keeps; `server_step`
+    returns a `ServerUpdate`, to which it adds new values of the server state it declared in
+    `__init__` (`self.server.tensors(...)`).
+    Example: SCAFFOLD (baselines/scaffold.py): c_i loaded in `client_start`, c - c_i added in
+    `after_backward`, delta c_i uploaded and c_i+ kept in `client_end`, c updated in
+    `server_step`; also FedDyn, MOON and FedNova (baselines/).
+
+`FederatedMethod`'s sections follow the tiers, then: hooks a family or an unusual method
+overrides; helpers a method calls and does not override; hooks for the round driver and
+Lightning only, which no method overrides (family bases extend the checkpoint hooks).
+
+The round driver calls the hooks in this order:
 
     round_start(round, clients)      server: snapshot the global state every client starts from
     client_start(client, n)          client: load the global state (+ its own persistent state,
@@ -24,23 +61,11 @@ client's own state is `self.client_states[client]` (`client_store.ClientStateSto
 of tensors per client, under a prefix per kind: "model." for the client's own part of the model,
 "c." for SCAFFOLD's c_i, ...), written only from `upload.kept`; models a client uses for a while
 (a frozen teacher, a previous or personal model) are `self.copies` (`state.WorkingCopies`), never
-saved.
+saved. What the callbacks read of a method without knowing its family: `accuracy_key` (the metric
+that is the run's accuracy) and `analysis_models()` (the models the analyses look at).
 
-Two siblings implement them over the common base `FederatedMethod`: `SharedModelMethod` (one
-global model every client starts from; between rounds `self.model` holds it, so Lightning's
-validation loop, checkpoints and `validate`/`test` see it with no extra plumbing; state_dict keys
-named by `personal_keys(model)` stay with each client) and `hetero.base.HeteroMethod` (each
-client its own architecture, evaluated on its own test split). What the callbacks read of a
-method without knowing its family: `accuracy_key` (the metric that is the run's accuracy) and
-`analysis_models()` (the models the analyses look at). Personalised evaluation starts fine-tuning
-from `finetune_start(client)`, whichever the family, and with `objective: method` fine-tunes on the
-same `loss(model, batch, context)` hook as local training (one loss hook; `LossContext` says what
-else a loss may use).
-
-Every local step should go through `sgd_step(loss)` (backward, `after_backward`, gradient clipping
-(`--trainer.gradient_clip_val`), optimizer step, `after_optimizer_step`): the base
-`after_optimizer_step` enforces the FedCONST constraint (`constraint` option, fedconst.py), so
-overrides must call super().
+How a local step is taken (through Lightning's wrappers or past them, clipping, the FedCONST
+constraint) is local_step.py's; per-step values wait in local_logs.py for the round's end.
 """
 
 from __future__ import annotations
@@ -52,23 +77,21 @@ from pathlib import Path
 from typing import Literal
 
 import lightning as L
-import numpy as np
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy
 from torch import nn
 
-from fl_lightning import compat
 from fl_lightning.client_store import ClientStateStore
 from fl_lightning.data.datamodule import ClientWork
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
 from fl_lightning.evaluation import EvalResult, Evaluation, evaluate
-from fl_lightning.fedconst import CONSTRAINT_MODES, ChannelConstraint, constrained_names
-from fl_lightning.federation import log_round_metrics
+from fl_lightning.fedconst import CONSTRAINT_MODES
+from fl_lightning.methods.local_logs import LocalLogs
+from fl_lightning.methods.local_step import LocalSteps, round_constraint
 from fl_lightning.models import FLModel, build_model
-from fl_lightning.parallel import ClientParallelStrategy, clients_in_parallel
+from fl_lightning.parallel import clients_in_parallel
+from fl_lightning.round_metrics import log_round_metrics
 from fl_lightning.state import ServerState, State, WorkingCopies, state_loader
 from fl_lightning.uploads import ClientUpload, RoundUploads, ServerUpdate
 
@@ -106,31 +129,11 @@ class LossContext:
 NO_CONTEXT = LossContext()  # a loss that uses nothing else (frozen, so one instance serves every step)
 
 
-class LocalSteps:
-    """The current client's step counters. A plain object, not module attributes: setting an
-    attribute of an `nn.Module` checks its parameters, buffers and submodules, which a small
-    model's local step would pay several times.
-
-    Attributes:
-        taken: local steps the current client has taken this round (`local_step`).
-        direct: of these, steps taken without Lightning's optimizer wrapper, which Lightning's
-            step counter (`trainer.global_step`) learns of when the client's training ends.
-        base_hook_ran: the base `after_optimizer_step` ran in the current step (see sgd_step).
-    """
-
-    __slots__ = ("taken", "direct", "base_hook_ran")
-
-    def __init__(self):
-        self.taken = self.direct = 0
-        self.base_hook_ran = False
-
-
 def seed_rngs(seed: int, device: torch.device) -> None:
     """Seeds the global generators a client's training draws from: the CPU's, and the one of
     `device` if it is an accelerator (dropout, augmentation and a method's draws on the GPU).
     `torch.manual_seed` would also queue a lazy seed for every accelerator type torch knows but
-    this process does not use (CUDA, XPU, MTIA), formatting a stack trace for each: that alone
-    cost about as much as 5 local steps of a small model, per client."""
+    this process does not use (CUDA, XPU, MTIA), formatting a stack trace for each, per client."""
     torch.default_generator.manual_seed(seed)
     if device.type == "cuda":
         with torch.cuda.device(device):
@@ -139,23 +142,14 @@ def seed_rngs(seed: int, device: torch.device) -> None:
         torch.get_device_module(device.type).manual_seed(seed)
 
 
-def _weighted_sum(values: list, sizes: list[int]) -> tuple[float, float]:
-    """(sum of value * size, sum of sizes) in float64, with one device sync for all values."""
-    stacked = torch.as_tensor([float(v) for v in values], dtype=torch.float64) if not all(
-        isinstance(v, torch.Tensor) for v in values) else torch.stack(values).double().cpu()
-    # numpy reads a list of ints faster than torch.as_tensor, and the sizes' sum is exact in
-    # Python as in float64 (integers)
-    weights = torch.from_numpy(np.asarray(sizes, dtype=np.float64))
-    return float((stacked * weights).sum()), float(sum(sizes))
-
-
 @abstract_base
 class FederatedMethod(L.LightningModule):
     """The common base of both method families: the local optimizer and step (manual
     optimization through `sgd_step`), one Trainer batch = one client (`training_step` calls
     `minibatch_step` per local mini-batch), per-step logs, per-client state, and the round's
     hooks the federated callback calls. `SharedModelMethod` (one global model) and
-    `hetero.base.HeteroMethod` (a model per client) are its two siblings.
+    `hetero.base.HeteroMethod` (a model per client) are its two siblings. Which hooks a method
+    overrides: the module docstring's three tiers.
 
     Args:
         model: architecture name (see `fl_lightning.models.MODELS`), or a model group for
@@ -206,86 +200,52 @@ class FederatedMethod(L.LightningModule):
         self.round_idx = -1
         self.current_client: int | None = None
         self.current_num_samples = 0
-        self.steps = LocalSteps()
+        self.steps = LocalSteps()  # how local steps are taken, and the current client's count
+        self.local_logs = LocalLogs()  # what `log_local` recorded this round
         # the three homes of state (module docstring): the server's, every client's, working copies
         self.server = ServerState()
         self.client_states = ClientStateStore()
         self.copies = WorkingCopies()
-        self.constraint = constraint
-        self._constraint: ChannelConstraint | None = None  # this round's constraint set
-        self._local_logs: dict[str, tuple[list, list[int]]] = {}
-        self._direct_steps = False  # see sgd_step
-        self._local_optimizer: torch.optim.Optimizer | None = None  # the torch optimizer, for direct steps
-        self._gradient_clip: tuple[float, str] = (0.0, "norm")  # see clip_local_gradients
+        self.constraint = constraint  # the FedCONST mode; the round's constraint set is steps.constraint
 
-    # ---- optimizer ----------------------------------------------------------------------------
-    def local_parameters(self) -> Iterable[nn.Parameter]:
-        """What the local optimizer updates; frozen-classifier methods leave the head out."""
-        return [p for p in self.model.parameters() if p.requires_grad]
+    # ---- tier 1: the local objective -------------------------------------------------------------
+    def loss(self, model: nn.Module, batch, context: LossContext) -> torch.Tensor:
+        """The method's local objective on `model` for one mini-batch (x, y): the one loss hook of
+        both local training (`minibatch_step`: `loss(self.model, batch, self.loss_context())`)
+        and personalised fine-tuning with `objective: method` (a copy of the start model, context
+        with `finetuning=True`, `personalization.py`). Plain CE here; methods whose local loss
+        differs override this, computing on `model`, never on `self.model`."""
+        x, y = batch
+        return F.cross_entropy(model(x), y)
 
-    def configure_optimizers(self):
-        h = self.hparams
-        opt = torch.optim.SGD(self.local_parameters(), lr=h.lr, momentum=h.momentum, weight_decay=h.weight_decay)
-        if h.lr_milestones:
-            sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=list(h.lr_milestones),
-                                                         gamma=h.lr_milestone_gamma)
-        else:
-            sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=h.lr_decay)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+    def loss_context(self) -> LossContext:
+        """What `loss` may use in the current client's local training (see LossContext)."""
+        return NO_CONTEXT
 
-    def current_lr(self) -> float:
-        return float(self.optimizers().optimizer.param_groups[0]["lr"])
+    # ---- tier 2: the local step ------------------------------------------------------------------
+    def minibatch_step(self, batch) -> torch.Tensor | None:
+        """One local step on one mini-batch (x, y); methods with their own step override this."""
+        loss = self.loss(self.model, batch, self.loss_context())
+        self.sgd_step(loss)
+        loss = loss.detach()
+        self.log_local({"train/loss": loss}, len(batch[1]))
+        return loss
 
-    def reset_optimizer_state(self) -> None:
-        """Momentum buffers start at zero for every client, every round, and are never uploaded."""
-        self.optimizers().optimizer.state.clear()
+    def after_backward(self) -> None:
+        """Hook between backward and step: gradient corrections (SCAFFOLD's c - c_i, FedSOL's
+        projection). It sees the gradients as the optimizer will (unscaled by any loss scaler:
+        it runs in `on_before_optimizer_step`), so a correction added here is added at its true size."""
 
-    @property
-    def local_step(self) -> int:
-        """Local steps the current client has taken this round."""
-        return self.steps.taken
+    def after_optimizer_step(self) -> None:
+        """Hook after every local step: projections that must hold after momentum/weight decay.
 
-    def on_train_start(self) -> None:
-        self._direct_steps = self._steps_need_no_lightning_wrappers()
-        self._local_optimizer = self.optimizers().optimizer
-        # --trainer.gradient_clip_val / _algorithm: Lightning refuses them under manual
-        # optimization, so the CLI's Trainer (trainer.py:FLTrainer) keeps them for us
-        self._gradient_clip = (float(getattr(self.trainer, "local_gradient_clip_val", 0.0) or 0.0),
-                               getattr(self.trainer, "local_gradient_clip_algorithm", "norm"))
+        The base version enforces the FedCONST constraint (`constraint`). Overrides must call
+        `super().after_optimizer_step()`, last if their own changes must also be constrained;
+        `sgd_step` raises if an override skips it while a constraint is on.
+        """
+        self.steps.constrain(self.model)
 
-    def _steps_need_no_lightning_wrappers(self) -> bool:
-        """True on one device per process (one device, or clients in parallel: no DDP wrapper)
-        with 32-bit precision when neither a callback nor the module overrides a per-step
-        optimization hook: `manual_backward` and `LightningOptimizer.step` then add nothing but
-        their cost (a third of a small model's step)."""
-        trainer = self.trainer
-        one_device = type(trainer.strategy) is SingleDeviceStrategy or type(trainer.strategy) is ClientParallelStrategy
-        if not one_device or type(trainer.precision_plugin) is not Precision:
-            return False
-        hooks = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
-        listeners = [(type(cb), L.Callback) for cb in trainer.callbacks] + [(type(self), FederatedMethod)]
-        return not any(getattr(cls, h) is not getattr(base, h) for cls, base in listeners for h in hooks)
-
-    # ---- randomness ---------------------------------------------------------------------------
-    def run_seed(self) -> int:
-        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        return int(dm.hparams.seed) if dm is not None else 0
-
-    def server_seed(self) -> int:
-        """Seeds the server's random draws of this round (shuffles, generator samples)."""
-        return self.run_seed() * 1_000_003 + self.round_idx
-
-    def seed_client(self, client: int) -> None:
-        """Seeds the global RNG by (seed, round, client) as the client starts: its dropout and any
-        draw a method makes during local training are the same whichever process trains it, and
-        in a resumed run the same as in an uninterrupted one."""
-        seed_rngs(self.run_seed() * 1_000_003 + self.round_idx * 10_007 + client, self.device)
-
-    # ---- the round (each sibling implements these) ---------------------------------------------
-    def round_start(self, round_idx: int, clients: list[int]) -> None:
-        """Server: take this round's starting state (before any client runs)."""
-        self.round_idx = round_idx
-
+    # ---- tier 3: state across rounds (each sibling implements these) -----------------------------
     def client_start(self, client: int, num_samples: int) -> None:
         """Client: receive what the server sends (and the client's own state); fresh optimizer."""
         raise NotImplementedError
@@ -294,14 +254,20 @@ class FederatedMethod(L.LightningModule):
         """Client: what it sends, and in `kept` what it keeps for itself (see ClientUpload)."""
         raise NotImplementedError
 
-    accuracy_key: str = "global/test_acc"  # the logged metric that is the run's accuracy
-
     def server_step(self, uploads: RoundUploads) -> ServerUpdate:
         """Server: the accepted uploads -> the next round's state, returned, not applied. Sums over
         the round's clients go through `uploads.sum` / `uploads.weighted_average` (they reduce
         across processes when clients train in parallel); a rule that is not a sum takes
         `uploads.gathered()`."""
         raise NotImplementedError
+
+    # ---- hooks a family or an unusual method overrides -------------------------------------------
+    def round_start(self, round_idx: int, clients: list[int]) -> None:
+        """Server: take this round's starting state (before any client runs)."""
+        self.round_idx = round_idx
+
+    def round_end(self) -> None:
+        self.lr_schedulers().step()
 
     def apply_server_update(self, update: ServerUpdate) -> None:
         """Called by the round callback with `server_step`'s result once it is known finite."""
@@ -315,13 +281,15 @@ class FederatedMethod(L.LightningModule):
         self.current_client = None
         self._drop_local_optimizer_state()
 
-    def _drop_local_optimizer_state(self) -> None:
-        """The round's last client's momentum buffers are of no use: the next client starts from
-        zero. Dropped when the round ends, they stay out of the round checkpoint (as many bytes as
-        the model's parameters: half of an `mlp` checkpoint) and out of memory between rounds.
-        (No local optimizer before fit's training starts.)"""
-        if self._local_optimizer is not None:
-            self.reset_optimizer_state()
+    def local_parameters(self) -> Iterable[nn.Parameter]:
+        """What the local optimizer updates; frozen-classifier methods leave the head out."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def predict_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Class scores used for every accuracy; cosine-classifier methods override this."""
+        return self.model(x)
+
+    accuracy_key: str = "global/test_acc"  # the logged metric that is the run's accuracy
 
     def local_model_stats(self, test_loader: Callable[[], Iterable], per_class: bool = False) -> dict[str, float]:
         """Called right after `client_end`: measures of the client's just-trained model for the
@@ -334,20 +302,6 @@ class FederatedMethod(L.LightningModule):
         the prefix of its logged keys: ("", the global model), or for methods without one
         ("client_k/", client k's model) for clients 0 .. max_clients-1."""
         raise NotImplementedError
-
-    def client_state(self, client: int, prefix: str) -> State | None:
-        """The part of `client_states[client]` stored under `prefix` (e.g. "c." for SCAFFOLD's
-        c_i), with the prefix removed; None when the client has none."""
-        state = self.client_states.get(client)
-        if state is None:
-            return None
-        part = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-        return part or None
-
-    @staticmethod
-    def prefixed(prefix: str, state: Mapping[str, torch.Tensor]) -> State:
-        """`state` with every key under `prefix`, detached (an `upload.kept` part)."""
-        return {prefix + k: v.detach() for k, v in state.items()}
 
     def finetune_start(self, client: int) -> FLModel:
         """The model personalised fine-tuning of `client` starts from (it is copied, never
@@ -367,19 +321,87 @@ class FederatedMethod(L.LightningModule):
         as `final/*`); nothing for methods without a global model."""
         return {}
 
-    # ---- the local training ---------------------------------------------------------------------
-    def loss(self, model: nn.Module, batch, context: LossContext) -> torch.Tensor:
-        """The method's local objective on `model` for one mini-batch (x, y): the one loss hook of
-        both local training (`minibatch_step`: `loss(self.model, batch, self.loss_context())`)
-        and personalised fine-tuning with `objective: method` (a copy of the start model, context
-        with `finetuning=True`, `personalization.py`). Plain CE here; methods whose local loss
-        differs override this, computing on `model`, never on `self.model`."""
-        x, y = batch
-        return F.cross_entropy(model(x), y)
+    # ---- helpers a method calls (not to override) ------------------------------------------------
+    def sgd_step(self, loss: torch.Tensor) -> None:
+        """One local step on `loss`: backward, `after_backward`, gradient clipping
+        (`--trainer.gradient_clip_val`), the optimizer's step, `after_optimizer_step`; how it is
+        taken (through Lightning's wrappers or past them) is local_step.py's."""
+        self.steps.take(self, loss)
 
-    def loss_context(self) -> LossContext:
-        """What `loss` may use in the current client's local training (see LossContext)."""
-        return NO_CONTEXT
+    def log_local(self, metrics: dict[str, torch.Tensor | float], batch_size: int) -> None:
+        """Per-step values (e.g. {"train/loss": loss}), logged once per round as their
+        batch-size-weighted mean over all local steps of the round (local_logs.py)."""
+        self.local_logs.add(metrics, batch_size)
+
+    def clip_local_gradients(self, optimizer) -> None:
+        """`--trainer.gradient_clip_val` / `--trainer.gradient_clip_algorithm` on every local step,
+        through Lightning's `clip_gradients` (its precision plugin). The clipped gradient is the one
+        the optimizer steps with: after `after_backward`'s corrections (SCAFFOLD's c - c_i, FedSOL's
+        projection), and after any perturbation (FedSAM/FedSOL's perturbed gradient); weight decay
+        and momentum come after, inside the optimizer, as with Lightning's automatic clipping."""
+        self.steps.clip_gradients(self, optimizer)
+
+    def client_state(self, client: int, prefix: str) -> State | None:
+        """The part of `client_states[client]` stored under `prefix` (e.g. "c." for SCAFFOLD's
+        c_i), with the prefix removed; None when the client has none."""
+        state = self.client_states.get(client)
+        if state is None:
+            return None
+        part = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        return part or None
+
+    @staticmethod
+    def prefixed(prefix: str, state: Mapping[str, torch.Tensor]) -> State:
+        """`state` with every key under `prefix`, detached (an `upload.kept` part)."""
+        return {prefix + k: v.detach() for k, v in state.items()}
+
+    @property
+    def local_step(self) -> int:
+        """Local steps the current client has taken this round."""
+        return self.steps.taken
+
+    def current_lr(self) -> float:
+        return float(self.optimizers().optimizer.param_groups[0]["lr"])
+
+    def reset_optimizer_state(self) -> None:
+        """Momentum buffers start at zero for every client, every round, and are never uploaded."""
+        self.optimizers().optimizer.state.clear()
+
+    def run_seed(self) -> int:
+        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        return int(dm.hparams.seed) if dm is not None else 0
+
+    def server_seed(self) -> int:
+        """Seeds the server's random draws of this round (shuffles, generator samples)."""
+        return self.run_seed() * 1_000_003 + self.round_idx
+
+    def seed_client(self, client: int) -> None:
+        """Seeds the global RNG by (seed, round, client) as the client starts: its dropout and any
+        draw a method makes during local training are the same whichever process trains it, and
+        in a resumed run the same as in an uninterrupted one."""
+        seed_rngs(self.run_seed() * 1_000_003 + self.round_idx * 10_007 + client, self.device)
+
+    def mean_across_devices(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Gradients taken with torch.autograd.grad bypass DDP's all-reduce; average them here so
+        every rank perturbs identically (a no-op on one device, and when the ranks train different
+        clients: `--federation.parallel clients`)."""
+        if self._trainer is None or self._trainer.world_size == 1 or clients_in_parallel(self._trainer):
+            return tensors
+        return [self.trainer.strategy.reduce(t, reduce_op="mean") for t in tensors]
+
+    # ---- for the round driver and Lightning only (not to override) -------------------------------
+    def configure_optimizers(self):
+        h = self.hparams
+        opt = torch.optim.SGD(self.local_parameters(), lr=h.lr, momentum=h.momentum, weight_decay=h.weight_decay)
+        if h.lr_milestones:
+            sched = torch.optim.lr_scheduler.MultiStepLR(opt, milestones=list(h.lr_milestones),
+                                                         gamma=h.lr_milestone_gamma)
+        else:
+            sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=h.lr_decay)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+
+    def on_train_start(self) -> None:
+        self.steps.start_training(self, FederatedMethod)
 
     def training_step(self, work: ClientWork, batch_idx: int) -> None:
         """One Trainer batch is one client: its whole local training, one `minibatch_step` per
@@ -389,133 +411,36 @@ class FederatedMethod(L.LightningModule):
         convert = trainer.precision_plugin.convert_input  # e.g. float64 inputs for 64-true
         for batch in trainer.datamodule.minibatches(work):
             self.minibatch_step(convert(batch))
-        if self.steps.direct:
-            compat.count_manual_optimizer_steps(trainer, self.steps.direct)
-            self.steps.direct = 0
-
-    def minibatch_step(self, batch) -> torch.Tensor | None:
-        """One local step on one mini-batch (x, y); methods with their own step override this."""
-        loss = self.loss(self.model, batch, self.loss_context())
-        self.sgd_step(loss)
-        loss = loss.detach()
-        self.log_local({"train/loss": loss}, len(batch[1]))
-        return loss
-
-    def log_local(self, metrics: dict[str, torch.Tensor | float], batch_size: int) -> None:
-        """Per-step values, accumulated on the device and logged once per round by the federated
-        callback (`flush_local_logs`) as their batch-size-weighted mean over all local steps of the
-        round: Lightning's `log` costs far more than a small model's step."""
-        for key, value in metrics.items():
-            values = self._local_logs.setdefault(key, ([], []))
-            values[0].append(value.detach() if isinstance(value, torch.Tensor) else value)
-            values[1].append(batch_size)
-
-    def flush_local_logs(self) -> dict[str, tuple[float, float]]:
-        """What `log_local` collected this round on this process, as {key: (batch-size-weighted
-        sum, total batch size)} (and forgets it); `merge_local_logs` turns such parts into means."""
-        sums = {key: _weighted_sum(values, sizes) for key, (values, sizes) in self._local_logs.items()}
-        self._local_logs = {}
-        return sums
-
-    def local_log_position(self) -> dict[str, int]:
-        """Where `log_local`'s records stand now (for `local_log_means` of one client)."""
-        return {key: len(values) for key, (values, _) in self._local_logs.items()}
-
-    def local_log_means(self, since: dict[str, int], until: dict[str, int] | None = None) -> dict[str, float]:
-        """The batch-size-weighted means of what `log_local` recorded after `since` and up to
-        `until` (positions from `local_log_position`; None: up to now), e.g. one client's local
-        training: its row in the round's per-client table."""
-        out = {}
-        for key, (values, sizes) in self._local_logs.items():
-            start = since.get(key, 0)
-            end = len(values) if until is None else until.get(key, 0)
-            if end > start:
-                total, weight = _weighted_sum(values[start:end], sizes[start:end])
-                out[key] = total / weight
-        return out
-
-    @staticmethod
-    def merge_local_logs(parts: list[dict[str, tuple[float, float]]]) -> dict[str, float]:
-        """The round's means over the parts of every process (in rank order)."""
-        merged: dict[str, tuple[float, float]] = {}
-        for part in parts:
-            for key, (s, w) in part.items():
-                s0, w0 = merged.get(key, (0.0, 0.0))
-                merged[key] = (s0 + s, w0 + w)
-        return {key: s / w for key, (s, w) in merged.items()}
-
-    def sgd_step(self, loss: torch.Tensor) -> None:
-        steps = self.steps
-        if self._direct_steps:
-            # one device, 32-bit, no per-step hook anyone listens to: Lightning's backward and step
-            # wrappers would only dispatch empty hooks (and this module's on_before_optimizer_step,
-            # called here instead); Lightning's step counter learns of these steps at the client's end
-            # (torch's profiler annotations of zero_grad and step, which cost a small model a
-            # tenth of its step, are left out unless a profiler records: compat.py)
-            opt = self._local_optimizer
-            compat.release_gradients(opt)
-            loss.backward()
-            self.on_before_optimizer_step(opt)
-            compat.step_optimizer(opt)
-            steps.direct += 1
-        else:  # precision plugins (autocast, loss scaling), DDP and per-step callback hooks
-            opt = self.optimizers()
-            opt.zero_grad(set_to_none=True)
-            self.manual_backward(loss)
-            opt.step()  # Lightning calls on_before_optimizer_step inside, after unscaling
-        steps.base_hook_ran = False
-        self.after_optimizer_step()
-        if self._constraint is not None and not steps.base_hook_ran:
-            raise RuntimeError(f"{type(self).__name__}.after_optimizer_step() must call "
-                               f"super().after_optimizer_step(): it enforces the FedCONST constraint")
-        steps.taken += 1
-
-    def after_backward(self) -> None:
-        """Hook between backward and step: gradient corrections (SCAFFOLD's c - c_i, FedSOL's
-        projection). It sees the gradients as the optimizer will (unscaled by any loss scaler:
-        it runs in `on_before_optimizer_step`), so a correction added here is added at its true size."""
+        self.steps.count_in(trainer)  # the steps taken past Lightning's wrappers (local_step.py)
 
     def on_before_optimizer_step(self, optimizer) -> None:
-        """Lightning calls this right before every local step (`sgd_step` calls it itself on its
-        direct path), after a loss scaler (16-mixed's GradScaler) has unscaled the gradients: the
-        place for gradient corrections (`after_backward`) and then clipping. Overrides must call
-        super()."""
+        """Lightning calls this right before every local step (the direct path of `sgd_step` calls
+        it itself), after a loss scaler (16-mixed's GradScaler) has unscaled the gradients: the
+        place for gradient corrections (`after_backward`) and then clipping."""
         self.after_backward()
         self.clip_local_gradients(optimizer)
-
-    def clip_local_gradients(self, optimizer) -> None:
-        """`--trainer.gradient_clip_val` / `--trainer.gradient_clip_algorithm` on every local step,
-        through Lightning's `clip_gradients` (its precision plugin). The clipped gradient is the one
-        the optimizer steps with: after `after_backward`'s corrections (SCAFFOLD's c - c_i, FedSOL's
-        projection), and after any perturbation (FedSAM/FedSOL's perturbed gradient); weight decay
-        and momentum come after, inside the optimizer, as with Lightning's automatic clipping."""
-        clip_val, algorithm = self._gradient_clip
-        if clip_val > 0:
-            self.clip_gradients(optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm)
-
-    def after_optimizer_step(self) -> None:
-        """Hook after every local step: projections that must hold after momentum/weight decay.
-
-        The base version enforces the FedCONST constraint (`constraint`). Overrides must call
-        `super().after_optimizer_step()`, last if their own changes must also be constrained;
-        `sgd_step` raises if an override skips it while a constraint is on.
-        """
-        if self._constraint is not None:
-            self._constraint.apply(self.model)
-        self.steps.base_hook_ran = True
-
-    def round_end(self) -> None:
-        self.lr_schedulers().step()
-
-    # ---- evaluation ---------------------------------------------------------------------------
-    def predict_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Class scores used for every accuracy; cosine-classifier methods override this."""
-        return self.model(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.predict_logits(x)
 
-    # ---- client state: where the files go, checkpoints ----------------------------------------
+    def local_log_position(self) -> dict[str, int]:
+        return self.local_logs.position()  # before and after a client: its span of the logs
+
+    def local_log_means(self, since: dict[str, int], until: dict[str, int] | None = None) -> dict[str, float]:
+        return self.local_logs.means(since, until)  # one client's means: its row's train_loss
+
+    def flush_local_logs(self) -> dict[str, tuple[float, float]]:
+        return self.local_logs.flush()  # this process's part of the round's means
+
+    merge_local_logs = staticmethod(LocalLogs.merge)  # the round's means from every process's part
+
+    def _drop_local_optimizer_state(self) -> None:
+        """The round's last client's momentum buffers are of no use: the next client starts from
+        zero. Dropped when the round ends, they stay out of the round checkpoint (as many bytes as
+        the model's parameters: half of an `mlp` checkpoint) and out of memory between rounds.
+        (No local optimizer before fit's training starts.)"""
+        if self.steps.optimizer is not None:
+            self.reset_optimizer_state()
 
     def configure_client_stores(self, directory, cache_size: int, rank: int = 0) -> None:
         """Where per-client state files go, how many clients stay in memory and which process
@@ -533,15 +458,6 @@ class FederatedMethod(L.LightningModule):
         path = getattr(self._trainer, "ckpt_path", None) if self._trainer is not None else None
         base = Path(path).parent / "client_states" if path else None
         self.client_states.load_checkpoint_state(checkpoint.get("fl_client_states", {"states": {}}), base=base)
-
-    # ---- multi-device -------------------------------------------------------------------------
-    def mean_across_devices(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Gradients taken with torch.autograd.grad bypass DDP's all-reduce; average them here so
-        every rank perturbs identically (a no-op on one device, and when the ranks train different
-        clients: `--federation.parallel clients`)."""
-        if self._trainer is None or self._trainer.world_size == 1 or clients_in_parallel(self._trainer):
-            return tensors
-        return [self.trainer.strategy.reduce(t, reduce_op="mean") for t in tensors]
 
 
 @abstract_base
@@ -602,8 +518,7 @@ class SharedModelMethod(FederatedMethod):
             # eval(): a teacher's output should not depend on BN batch mode or dropout draws
             self.copies.get("teacher", self.model, self.global_weights, self.device)
         if self.constraint != "none":
-            names = constrained_names(self.model)
-            self._constraint = ChannelConstraint(self.constraint, self.global_weights, names)
+            self.steps.constraint = round_constraint(self.constraint, self.model, self.global_weights)
 
     @property
     def global_model(self) -> FLModel:
