@@ -427,3 +427,18 @@ def _update_finite(update: ServerUpdate, server: ServerState) -> bool:
 def federation_of(trainer) -> FederatedCallback | None:
     """The run's round callback (the public per-round report other callbacks read)."""
     return next((c for c in trainer.callbacks if isinstance(c, FederatedCallback)), None)
+
+
+def federation_before(trainer, callback: L.Callback) -> FederatedCallback | None:
+    """The run's round callback, checked to come before `callback` among the trainer's callbacks.
+
+    Lightning calls a hook on the callbacks in their order. The results and analysis callbacks
+    read, in their `on_train_epoch_end`, what the round callback decided in its own (the round's
+    report, the run's outcome), and the analysis callback sets at a round's start what the round
+    callback reads during the round: run before it, they would read the previous round's."""
+    federation = federation_of(trainer)
+    callbacks = list(trainer.callbacks)
+    if federation is not None and callbacks.index(federation) > callbacks.index(callback):
+        raise RuntimeError(f"{type(callback).__name__} must come after FederatedCallback in trainer.callbacks: it "
+                           f"reads the round's report in the same hooks")
+    return federation

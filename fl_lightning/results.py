@@ -30,7 +30,7 @@ import torch
 
 from fl_lightning.atomic import atomic_write_bytes
 from fl_lightning.comparison import read_metrics  # noqa: F401 - the reader of what this module writes
-from fl_lightning.federation import CLIENT_COLUMNS, federation_of
+from fl_lightning.federation import CLIENT_COLUMNS, federation_before, federation_of
 from fl_lightning.loggers import FLWandbLogger, update_wandb_summary
 from fl_lightning.outcome import Outcome, outcome_of_exception
 
@@ -179,6 +179,7 @@ class ResultsCallback(L.Callback):
 
     # ---- per round -------------------------------------------------------------------------
     def on_fit_start(self, trainer, pl_module) -> None:
+        federation_before(trainer, self)
         self._started = time.monotonic()
         if trainer.is_global_zero:
             self._truncate_clients_file(self.rows[-1]["round"] if self.rows else 0)

@@ -4,6 +4,8 @@ calls them. Read from the source (the imports as written), so no import order ca
 import ast
 from pathlib import Path
 
+import pytest
+
 import fl_lightning
 
 PACKAGE = Path(fl_lightning.__file__).parent
@@ -78,3 +80,18 @@ def test_the_contracts_examples_override_their_tiers_hooks():
             assert name.replace("PerFedAvg", "Per-FedAvg") in doc, name
             own = set(vars(getattr(methods, name))) & set(hooks)
             assert own == set(hooks) if i == 0 else own, (tier, name, own)
+
+
+def test_callbacks_that_read_the_round_report_must_come_after_the_round_callback(tmp_path):
+    """The results and analysis callbacks read, in the same hooks, what the round callback
+    decided: placed before it they would read the previous round's report; refused at fit start."""
+    from types import SimpleNamespace
+
+    from fl_lightning.analysis.callback import AnalysisCallback
+    from fl_lightning.federation import FederatedCallback
+    from fl_lightning.results import ResultsCallback
+
+    for late in (ResultsCallback(tmp_path), AnalysisCallback()):
+        trainer = SimpleNamespace(callbacks=[late, FederatedCallback()], is_global_zero=False)
+        with pytest.raises(RuntimeError, match=f"{type(late).__name__} must come after FederatedCallback"):
+            late.on_fit_start(trainer, None)

@@ -42,7 +42,7 @@ from fl_lightning.analysis.objective import HVP_MODES, SubsetObjective, eval_mod
 from fl_lightning.analysis.surface import DIRECTION_KINDS, filter_normalized_direction, slice_1d, surface_2d
 from fl_lightning.atomic import atomic_write_bytes
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import LOCAL_CLASS_ACC, federation_of
+from fl_lightning.federation import LOCAL_CLASS_ACC, federation_before, federation_of
 from fl_lightning.loggers import FLWandbLogger
 from fl_lightning.round_metrics import log_round_metrics
 
@@ -140,7 +140,7 @@ class AnalysisCallback(L.Callback):
     # ---- hooks --------------------------------------------------------------------------------
     def on_fit_start(self, trainer, pl_module) -> None:
         self.check_model(pl_module)
-        federation = federation_of(trainer)
+        federation = federation_before(trainer, self)
         if self.divergence and federation is not None:
             federation.share_round_uploads = True  # distances between every pair of the round's clients
         if self.partition and trainer.is_global_zero and hasattr(trainer.datamodule, "client_parts"):
