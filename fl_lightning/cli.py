@@ -1,7 +1,7 @@
 """`fl-lightning`: the command.
 
     fl-lightning fit|validate|test|analyze ...   a run (LightningCLI, fl_lightning/lightning_cli.py)
-    fl-lightning sweep <spec> ...                 many runs (fl_lightning/sweep.py)
+    fl-lightning sweep <spec> ...                 many runs (fl_lightning/sweep/)
     fl-lightning report <dir> ...                 the table of the runs below a directory (fl_lightning/report.py)
 
 This module only dispatches, so `fl-lightning --help` and `report` start without importing
