@@ -459,6 +459,56 @@ def test_a_disk_that_refuses_writes_ends_in_one_line(tmp_path, error, at):
             reproducible_rows(read_metrics(tmp_path / "straight" / "metrics.csv"))
 
 
+def on_a_full_disk(root: Path, *args: str, full: Path | None = None) -> tuple[int, str]:
+    """The fit with every write under `full` refused as by a full disk, whoever writes it: the
+    run's files, PIL's pictures, W&B's log files and media (tests/full_disk.py)."""
+    extra = {"FULL_DISK": str(full)} if full is not None else {}
+    proc = subprocess.run([sys.executable, "-c", "import full_disk; full_disk.run_cli()", "fit", *TINY, *args,
+                           "--trainer.default_root_dir", str(root)],
+                          env={**env(), **extra}, capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stderr
+
+
+def test_a_resume_on_a_full_disk_ends_in_one_line_and_loses_nothing(tmp_path):
+    """A finished 1-round run resumed on a full disk: its partition picture is the first write the
+    disk refuses, and W&B's log file refuses every message and then W&B's finish. It ended in exit
+    1 and some 20,000 lines of tracebacks; it ends in the one line, exit 4, and the run's files as
+    they were, which the same command completes once there is room."""
+    root = tmp_path / "run"
+    args = ["--analysis.partition", "true", "--trainer.max_epochs", "1"]
+    code, err = run(root, *args)
+    assert code == 0, err[-3000:]
+    before = {name: (root / name).read_text() for name in ("summary.json", "metrics.csv", "clients.csv")}
+    code, err = on_a_full_disk(root, *args, "--ckpt_path", "last", full=root)
+    assert code == EXIT_LOST, err[-3000:]
+    assert_one_line(err, rf"error: the disk refused a write \(No space left on device: "
+                         rf"{re.escape(str(root / 'analysis' / 'partition.png'))}\); 1 completed round\(s\) are saved "
+                         rf"in {re.escape(str(root / 'checkpoints' / 'last.ckpt'))}; make room .* and run the same "
+                         rf"command with --ckpt_path last")
+    assert "Logging error" not in err and "wandb" not in err.lower(), err[-3000:]
+    assert {name: (root / name).read_text() for name in before} == before  # the disk kept the finished run's files
+    code, err = run(root, *args, "--ckpt_path", "last")
+    assert code == 0 and not error_lines(err), err[-3000:]
+    after = {name: (root / name).read_text() for name in before}
+    assert after["metrics.csv"] == before["metrics.csv"] and after["clients.csv"] == before["clients.csv"]
+    assert summary(root)["outcome"] == "finished" and (root / "analysis" / "partition.png").stat().st_size > 0
+
+
+def test_a_disk_that_fills_as_the_run_ends_says_so_in_one_line(tmp_path):
+    """Every round, record and checkpoint is written when the disk fills; W&B's last row and its
+    finish are refused. The run's outcome stays finished; the command says in one line that the
+    disk refused W&B's files (exit 4), not with W&B's traceback (exit 1)."""
+    root = tmp_path / "run"
+    code, err = on_a_full_disk(root, "--trainer.max_epochs", "1", callback("full_disk.FillsUp", directory=str(root)))
+    assert code == EXIT_LOST, err[-3000:]
+    assert_one_line(err, rf"error: the disk refused a write \(No space left on device: {re.escape(str(root / 'wandb'))}"
+                         rf"/.*\); 1 completed round\(s\) are saved in .*last\.ckpt; make room .* and run the same "
+                         rf"command with --ckpt_path last")
+    assert "Logging error" not in err, err[-3000:]
+    record = summary(root)
+    assert record["outcome"] == "finished" and record["rounds_completed"] == 1
+
+
 # ---- damaged client-state files ------------------------------------------------------------------
 
 
