@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -64,6 +65,7 @@ from fl_lightning.federation import FederatedCallback, federation_of
 from fl_lightning.loggers import FLWandbLogger, describe_wandb_run
 from fl_lightning.methods import FederatedMethod
 from fl_lightning.outcome import (
+    DISK_ERRNOS,
     EXIT_LOST,
     EXIT_STOPPED,
     EXIT_USER_ERROR,
@@ -240,7 +242,9 @@ class FLCLI(LightningCLI):
 
     def after_fit(self) -> None:
         where = self._results_line() if self.subcommand == "fit" and self.trainer.is_global_zero else None
-        finish_wandb(exit_code=self.exit_code())
+        refused = finish_wandb(exit_code=self.exit_code())
+        if refused is not None:
+            raise refused  # the run's records are complete, its W&B run is not: lost, in one line
         if where:
             print(where)
 
@@ -440,16 +444,33 @@ def follow_seed_everything(cfg) -> None:
     data["seed"] = 0 if seed is False or seed is None else int(seed)
 
 
-def finish_wandb(exit_code: int) -> None:
+def finish_wandb(exit_code: int) -> OSError | None:
     """Close the W&B run so its summary and history are complete on disk (offline runs are then
-    ready for `wandb sync`); a diverged or failed run is closed with a non-zero exit code."""
+    ready for `wandb sync`); a diverged or failed run is closed with a non-zero exit code.
+
+    Returns the disk's refusal when W&B could not write its files (a full disk: its log file's
+    last flush fails inside finish()), naming the W&B run's directory, instead of raising it:
+    a run that an error already ended keeps that error as its outcome and its one line, and only
+    a run that ended well makes the refusal its outcome (`after_fit`)."""
     wandb = sys.modules.get("wandb")
-    if wandb is not None and wandb.run is not None:
-        wandb.finish(exit_code=exit_code)
-        # finish() can return before W&B's core process has written the run's last block (a
-        # small offline run's file is then just its header); teardown waits for it, so the
-        # run's files are complete when the command returns (for `wandb sync`, sweeps, tests).
-        wandb.teardown()
+    if wandb is None or wandb.run is None:
+        return None
+    where, refused = str(Path(wandb.run.dir).parent), None
+    for close in (lambda: wandb.finish(exit_code=exit_code),
+                  # finish() can return before W&B's core process has written the run's last block
+                  # (a small offline run's file is then just its header); teardown waits for it, so
+                  # the run's files are complete when the command returns (for `wandb sync`, sweeps,
+                  # tests). After a refused finish it still stops W&B's service.
+                  wandb.teardown):
+        try:
+            close()
+        except OSError as err:
+            if err.errno not in DISK_ERRNOS:
+                raise
+            # a new error, not W&B's: its chain (a log file's flush, failing again on close)
+            # names no file, and the first error of a chain is the one a line reports
+            refused = refused or OSError(err.errno, err.strerror, err.filename or where)
+    return refused
 
 
 def _method_names() -> list[str]:
@@ -649,6 +670,10 @@ def main(args: list[str] | None = None) -> None:
     """fit, validate, test or analyze `args` (default: the command line), ending in the run's exit
     code with at most one `error:` line."""
     os.environ.setdefault("WANDB_SILENT", "true")
+    # A log file the disk refuses (W&B's debug.log on a full disk) would print a traceback for
+    # every message logged to it, thousands in a run; the refusal is said once, as the run's
+    # outcome, by the run's own writes or W&B's finish (logging's own switch for applications).
+    raise_logging_errors, logging.raiseExceptions = logging.raiseExceptions, False
     compat.quiet_library_notices()
     previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGINT)}
     FLCLI.active = None
@@ -705,6 +730,7 @@ def main(args: list[str] | None = None) -> None:
         if in_process:  # called in-process (tests, sweeps): leave the caller's handlers as they were
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
+            logging.raiseExceptions = raise_logging_errors
     unsaid = [f"error: {line}"] if line and (first or _parent_gone() or own_error) else []
     if not in_process:
         _end_on_signal(code, unsaid)

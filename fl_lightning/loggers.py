@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.loggers import WandbLogger
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from fl_lightning import compat
 from fl_lightning.config_files import run_name_from_configs
@@ -60,6 +60,9 @@ class FLWandbLogger(WandbLogger):
             compat.skip_unstaged_wandb_launch_inputs()
             compat.poll_wandb_service_often()
             Path(self.save_dir).mkdir(parents=True, exist_ok=True)
+            moved = keep_wandb_dirs_writable(self.save_dir)
+            if moved:
+                rank_zero_info(moved)
             if compat.wandb_offline(self):
                 os.environ["WANDB_MODE"] = "offline"
             run = wandb.run if wandb.run is not None else wandb.init(**compat.wandb_init_kwargs(self))
@@ -105,6 +108,53 @@ class FLWandbLogger(WandbLogger):
         # (a subset of it, plus internal keys such as `_instantiator`) would only duplicate it.
         if self._resolved_config is None:
             super().log_hyperparams(without_internal_keys(dict(params)))
+
+
+# W&B's directories outside the run's own: the staging folder of the tables it logs (WANDB_DATA_DIR)
+# and its cache, which holds its service's log files (WANDB_CACHE_DIR). Both default to the user's
+# home (~/.local/share/wandb and ~/.cache/wandb, or where XDG_DATA_HOME and XDG_CACHE_HOME say).
+WANDB_HOME_DIRS = {"WANDB_DATA_DIR": ("data", "staging files"), "WANDB_CACHE_DIR": ("cache", "cache")}
+_moved: dict[str, str] = {}  # the variables set by keep_wandb_dirs_writable, not by the user
+
+
+def keep_wandb_dirs_writable(save_dir: str | Path) -> str | None:
+    """Where the home directory cannot hold W&B's directories (a HOME that is a file, read-only or
+    another user's, an XDG_* directory alike), they move into the run's `wandb/` folder
+    (`wandb/data`, `wandb/cache`), so that the run goes on, as it does without its matplotlib and
+    dataset caches; left there, W&B's staging would fail the run at its first table. A directory the
+    user set (WANDB_DATA_DIR, WANDB_CACHE_DIR) is left to W&B, as is one that can be written.
+    Returns the line that says what moved, or None."""
+    from wandb import env as wandb_env
+
+    defaults = {"WANDB_DATA_DIR": wandb_env.get_data_dir, "WANDB_CACHE_DIR": wandb_env.get_cache_dir}
+    moved, refusals = {}, []
+    for variable, (folder, what) in WANDB_HOME_DIRS.items():
+        given = os.environ.get(variable)
+        if given and _moved.get(variable) != given:
+            continue  # the user's choice
+        os.environ.pop(variable, None)  # set for an earlier run of this process: this run decides anew
+        _moved.pop(variable, None)
+        default = Path(defaults[variable]())
+        refused = _cannot_write(default)
+        if refused is None:
+            continue
+        os.environ[variable] = _moved[variable] = str((Path(save_dir) / "wandb" / folder).absolute())
+        moved[variable] = what
+        refusals.append(f"{default}: {refused}")
+    if not moved:
+        return None
+    return (f"W&B cannot write in the home directory ({'; '.join(refusals)}): this run keeps W&B's "
+            f"{' and '.join(moved.values())} in {' and '.join(os.environ[v] for v in moved)} (set "
+            f"{' and '.join(moved)} to choose)")
+
+
+def _cannot_write(directory: Path) -> str | None:
+    """Why `directory` cannot be created or written in, or None when it can."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return err.strerror or str(err)
+    return None if os.access(directory, os.W_OK | os.X_OK) else "no write permission"
 
 
 def describe_wandb_run(loggers, config) -> None:

@@ -459,6 +459,103 @@ def test_a_disk_that_refuses_writes_ends_in_one_line(tmp_path, error, at):
             reproducible_rows(read_metrics(tmp_path / "straight" / "metrics.csv"))
 
 
+def on_a_full_disk(root: Path, *args: str, full: Path | None = None) -> tuple[int, str]:
+    """The fit with every write under `full` refused as by a full disk, whoever writes it: the
+    run's files, PIL's pictures, W&B's log files and media (tests/full_disk.py)."""
+    extra = {"FULL_DISK": str(full)} if full is not None else {}
+    proc = subprocess.run([sys.executable, "-c", "import full_disk; full_disk.run_cli()", "fit", *TINY, *args,
+                           "--trainer.default_root_dir", str(root)],
+                          env={**env(), **extra}, capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stderr
+
+
+def test_a_resume_on_a_full_disk_ends_in_one_line_and_loses_nothing(tmp_path):
+    """A finished 1-round run resumed on a full disk: its partition picture is the first write the
+    disk refuses, and W&B's log file refuses every message and then W&B's finish. It ended in exit
+    1 and some 20,000 lines of tracebacks; it ends in the one line, exit 4, and the run's files as
+    they were, which the same command completes once there is room."""
+    root = tmp_path / "run"
+    args = ["--analysis.partition", "true", "--trainer.max_epochs", "1"]
+    code, err = run(root, *args)
+    assert code == 0, err[-3000:]
+    before = {name: (root / name).read_text() for name in ("summary.json", "metrics.csv", "clients.csv")}
+    code, err = on_a_full_disk(root, *args, "--ckpt_path", "last", full=root)
+    assert code == EXIT_LOST, err[-3000:]
+    assert_one_line(err, rf"error: the disk refused a write \(No space left on device: "
+                         rf"{re.escape(str(root / 'analysis' / 'partition.png'))}\); 1 completed round\(s\) are saved "
+                         rf"in {re.escape(str(root / 'checkpoints' / 'last.ckpt'))}; make room .* and run the same "
+                         rf"command with --ckpt_path last")
+    assert "Logging error" not in err and "wandb" not in err.lower(), err[-3000:]
+    assert {name: (root / name).read_text() for name in before} == before  # the disk kept the finished run's files
+    code, err = run(root, *args, "--ckpt_path", "last")
+    assert code == 0 and not error_lines(err), err[-3000:]
+    after = {name: (root / name).read_text() for name in before}
+    assert after["metrics.csv"] == before["metrics.csv"] and after["clients.csv"] == before["clients.csv"]
+    assert summary(root)["outcome"] == "finished" and (root / "analysis" / "partition.png").stat().st_size > 0
+
+
+def test_a_disk_that_fills_as_the_run_ends_says_so_in_one_line(tmp_path):
+    """Every round, record and checkpoint is written when the disk fills; W&B's last row and its
+    finish are refused. The run's outcome stays finished; the command says in one line that the
+    disk refused W&B's files (exit 4), not with W&B's traceback (exit 1)."""
+    root = tmp_path / "run"
+    code, err = on_a_full_disk(root, "--trainer.max_epochs", "1", callback("full_disk.FillsUp", directory=str(root)))
+    assert code == EXIT_LOST, err[-3000:]
+    assert_one_line(err, rf"error: the disk refused a write \(No space left on device: {re.escape(str(root / 'wandb'))}"
+                         rf"/.*\); 1 completed round\(s\) are saved in .*last\.ckpt; make room .* and run the same "
+                         rf"command with --ckpt_path last")
+    assert "Logging error" not in err, err[-3000:]
+    record = summary(root)
+    assert record["outcome"] == "finished" and record["rounds_completed"] == 1
+
+
+# ---- a home directory W&B cannot write in ---------------------------------------------------------
+HOMES = {  # the environment, from a tmp_path holding the regular file `file` and the folders `home`, `mine`
+    "HOME is a file": lambda t: {"HOME": t / "file"},
+    "XDG directories are files": lambda t: {"HOME": t / "home", "XDG_DATA_HOME": t / "file",
+                                            "XDG_CACHE_HOME": t / "file"},
+    # a read-only HOME (root writes in any folder: a path under a file cannot be written even so)
+    "HOME cannot exist, WANDB_DATA_DIR is the user's": lambda t: {"HOME": t / "file" / "home",
+                                                                   "WANDB_DATA_DIR": t / "mine"},
+}
+
+
+@pytest.mark.parametrize("home", list(HOMES))
+def test_a_home_directory_wandb_cannot_write_in_leaves_its_files_in_the_run(tmp_path, home):
+    """W&B stages every table it logs under ~/.local/share/wandb, and its service logs into
+    ~/.cache/wandb: with a HOME it cannot write in, the fit crashed at its first table (exit 1,
+    W&B's traceback, summary.json "crashed" after 0 rounds) and W&B's service printed its log on
+    stderr. The run now keeps those directories in its own wandb/ folder (one line says so), except
+    one the user chose, and its W&B run is complete."""
+    (tmp_path / "file").write_text("not a directory\n")
+    (tmp_path / "home").mkdir()
+    given = {k: str(v) for k, v in HOMES[home](tmp_path).items()}
+    root = tmp_path / "run"
+    e = {k: v for k, v in env().items() if not k.startswith(("XDG_", "WANDB_DATA_DIR", "WANDB_CACHE_DIR"))}
+    proc = subprocess.run([sys.executable, "-m", "fl_lightning.cli", "fit", *TINY, "--trainer.max_epochs", "1",
+                           "--trainer.default_root_dir", str(root)],
+                          env={**e, **given}, capture_output=True, text=True, timeout=600)
+    err = proc.stderr
+    assert proc.returncode == 0 and not error_lines(err) and "Traceback" not in err, err[-3000:]
+    record = summary(root)
+    assert record["outcome"] == "finished" and record["rounds_completed"] == 1
+    moved = ["WANDB_CACHE_DIR"] if "WANDB_DATA_DIR" in given else ["WANDB_DATA_DIR", "WANDB_CACHE_DIR"]
+    notes = [line for line in err.splitlines() if line.startswith("W&B cannot write in the home directory")]
+    assert len(notes) == 1 and notes[0].endswith(f"(set {' and '.join(moved)} to choose)"), err[-3000:]
+    staging = Path(given.get("WANDB_DATA_DIR", root / "wandb" / "data")) / "artifacts" / "staging"
+    assert staging.is_dir() and (root / "wandb" / "data").exists() == ("WANDB_DATA_DIR" not in given)
+    assert list((root / "wandb" / "cache").rglob("core-debug-*.log"))  # W&B's service log, not on stderr
+    assert "handleInformFinish" not in err, err[-3000:]
+    assert not list((tmp_path / "home").rglob("*wandb*"))
+
+    from fl_lightning.loggers import read_offline_history
+
+    run_file = next((root / "wandb").glob("offline-run-*/run-*.wandb"))
+    rows = read_offline_history(run_file)  # complete: W&B's exit record is there
+    assert [r["round"] for r in rows if "global/test_acc" in r] == [1.0]
+    assert any("clients/table/path" in r for r in rows)
+
+
 # ---- damaged client-state files ------------------------------------------------------------------
 
 
