@@ -9,20 +9,23 @@ holds one under its `sweep:` key. Two ways to run it:
   directory under `runs/<sweep id>/<run id>` (see `agent_run_dir_args`).
 - `--local`: no account, no network. Grid and seeded random specs are expanded here, with W&B's
   own formatting of `${args}` (`--key=value`), and run by N worker processes, each run offline in
-  `<root>/<sweep>/<run-name>/` and grouped in W&B by the sweep name. The sweep's bookkeeping
-  (each run's command, parameters, status, exit code, error line, log) lives in
-  `<root>/<sweep>/.sweep/`, never inside a run directory. Started again after an interruption,
-  finished runs are skipped, runs with a checkpoint resume with `--ckpt_path last`, and runs
-  without one start over with `--overwrite true`.
+  `<root>/<sweep>/<run-name>/` (named by the parameters that vary: `config=fedsol,seed=0`) and
+  grouped in W&B by the sweep name. The sweep's bookkeeping (each run's command, parameters,
+  status, exit code, error line, log) lives in `<root>/<sweep>/.sweep/`, never inside a run
+  directory. Started again after an interruption, finished runs are skipped, runs with a checkpoint
+  resume with `--ckpt_path last`, and runs without one start over with `--overwrite true`.
 
-Every command is parsed through the CLI (`--print_config`, in-process) before anything starts, so
-an unknown option or a bad value is one `error:` line, not a failed run an hour later.
+Every command is parsed through the CLI (in-process) before anything starts, so an unknown option
+or a bad value is one `error:` line, not a failed run an hour later. Two answers need no command
+and come first, before torch, Lightning and the CLI's parser are imported: a W&B sweep while W&B
+is offline, and a local sweep whose runs are all over (finished, diverged or failed).
 
 This module is the command line (`build_parser`, `main`); the work is in its modules, in the order
 a sweep uses them:
 
     spec.py      the spec: YAML read and checked (`load_spec`), expanded into parameter sets (`expand`)
-    commands.py  each run's name and fl-lightning command, parsed by the CLI before anything starts (`plan`)
+    commands.py  each run's name (`name_runs`) and fl-lightning command, parsed by the CLI before anything
+                 starts (`plan`)
     local.py     --local: warm workers, resume/skip from each run's directory, records in `.sweep/`
     agents.py    online: the W&B sweep and its `wandb agent` processes, a directory per agent run
 
@@ -38,16 +41,20 @@ import shlex
 from pathlib import Path
 
 from fl_lightning.errors import FLUserError, OneLineArgumentParser
-from fl_lightning.sweep.agents import agent_commands, agent_run_dir_args, online
+from fl_lightning.sweep.agents import agent_commands, agent_run_dir_args, online, require_online
 from fl_lightning.sweep.commands import (
     PlannedRun,
+    canonical,
     cli_parser,
     display_value,
     fl_args,
+    keep_recorded_names,
+    name_runs,
     parse_with_cli,
     plan,
     run_names,
     short_keys,
+    varying_keys,
     wandb_args,
 )
 from fl_lightning.sweep.local import (
@@ -55,9 +62,11 @@ from fl_lightning.sweep.local import (
     LocalSweep,
     available_gpus,
     error_line,
+    gpu_indices,
     parse_gpus,
     read_json,
     read_record,
+    recorded_names,
     run_state,
     warm_workers,
     worker_envs,
@@ -75,10 +84,11 @@ from fl_lightning.sweep.spec import (
 
 __all__ = [
     "DISTRIBUTIONS", "FINAL_STATES", "NUMERIC_DISTRIBUTIONS", "SEARCH_METHODS", "SEED_KEYS", "LocalSweep",
-    "PlannedRun", "Spec", "agent_commands", "agent_run_dir_args", "available_gpus", "build_parser", "cli_parser",
-    "display_value", "distribution_of", "error_line", "expand", "fl_args", "load_spec", "main", "online",
-    "parse_gpus", "parse_with_cli", "plan", "read_json", "read_record", "run_names", "run_state", "short_keys",
-    "wandb_args", "warm_workers", "worker_envs",
+    "PlannedRun", "Spec", "agent_commands", "agent_run_dir_args", "available_gpus", "build_parser", "canonical",
+    "cli_parser", "display_value", "distribution_of", "error_line", "expand", "fl_args", "gpu_indices",
+    "keep_recorded_names", "load_spec", "main", "name_runs", "online", "parse_gpus", "parse_with_cli", "plan",
+    "read_json", "read_record", "recorded_names", "require_online", "run_names", "run_state", "short_keys",
+    "varying_keys", "wandb_args", "warm_workers", "worker_envs",
 ]
 
 
@@ -103,6 +113,14 @@ def main(argv: list[str]) -> int:
     spec = load_spec(opts.spec)
     if opts.workers is not None and opts.workers < 1:
         raise FLUserError(f"--workers {opts.workers}: need at least 1")
+    gpu_indices(opts.gpus)
+    root = Path(opts.root)
+    # The questions answered from files alone come before torch, Lightning and the CLI's parser are
+    # imported: whether W&B is online for a W&B sweep, and whether a local sweep has anything left.
+    if not opts.local and not opts.dry_run:
+        require_online()
+    if opts.local and _nothing_left(spec, root, opts):
+        return 0
     gpu_count = available_gpus()
     gpus = parse_gpus(opts.gpus, gpu_count)
     if gpus is None and gpu_count:
@@ -111,9 +129,9 @@ def main(argv: list[str]) -> int:
     if not opts.local:
         # Every command parses before the sweep is created (bayes: one random draw of its space).
         if spec.config["method"] == "bayes":
-            plan(Spec(spec.name, {**spec.config, "method": "random"}, spec.path), Path(opts.root), count=1)
+            plan(Spec(spec.name, {**spec.config, "method": "random"}, spec.path), root, count=1)
         else:
-            plan(spec, Path(opts.root), seed=opts.seed, count=opts.count)
+            plan(spec, root, seed=opts.seed, count=opts.count)
         if opts.dry_run:
             for env, argv in agent_commands("<sweep id>", gpus, workers, opts.count):
                 print(f"{' '.join(f'{k}={v}' for k, v in env.items())} {shlex.join(argv)}".strip())
@@ -121,14 +139,31 @@ def main(argv: list[str]) -> int:
         return online(spec, gpus, workers, opts.count, opts.project, opts.entity)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if opts.dry_run:
-        LocalSweep(spec, plan(spec, Path(opts.root), seed=opts.seed, count=opts.count), Path(opts.root), []).dry_run()
+        LocalSweep(spec, plan(spec, root, seed=opts.seed, count=opts.count), root, []).dry_run()
         return 0
     # the workers import while the commands are parsed
-    warm = warm_workers(spec, worker_envs(workers, gpus, cores), Path(opts.root))
+    warm = warm_workers(spec, worker_envs(workers, gpus, cores), root)
     try:
-        runs = plan(spec, Path(opts.root), seed=opts.seed, count=opts.count)
+        runs = plan(spec, root, seed=opts.seed, count=opts.count)
     except BaseException:
         for worker in warm:
             worker.close()
         raise
-    return LocalSweep(spec, runs, Path(opts.root), warm).run()
+    return LocalSweep(spec, runs, root, warm).run()
+
+
+def _nothing_left(spec: Spec, root: Path, opts: argparse.Namespace) -> bool:
+    """True, after saying so in one line (or, with --dry-run, one `# <outcome>: <run>` line a run),
+    when every run of the local sweep is over: then no command needs parsing and no worker starting."""
+    runs = name_runs(spec, root, seed=opts.seed, count=opts.count)
+    states = [run_state(root / spec.name / name) for name, _ in runs]
+    if not all(state in FINAL_STATES for state in states):
+        return False
+    if opts.dry_run:
+        for (name, _), state in zip(runs, states, strict=True):
+            print(f"# {state}: {name}")
+        return True
+    counts = ", ".join(f"{states.count(s)} {s}" for s in FINAL_STATES if s in states)
+    every = "its run is" if len(runs) == 1 else f"all {len(runs)} runs are"
+    print(f"sweep {spec.name}: nothing left to run: {every} over ({counts}) in {root / spec.name}")
+    return True

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.sweep.spec import Spec
+from fl_lightning.wandb_online import wandb_online
 
 
 def agent_commands(sweep_path: str, gpus: list[str] | None, workers: int,
@@ -40,14 +41,18 @@ def agent_run_dir_args(args: list[str]) -> list[str]:
     return [*args, f"--trainer.default_root_dir=runs/{sweep_id}/{run_id}"]
 
 
+def require_online() -> None:
+    """A W&B sweep needs W&B's server: without a login, or with W&B switched offline, one line that
+    says to run the sweep with --local (asked first: it needs nothing imported)."""
+    if not wandb_online():
+        raise FLUserError("a W&B sweep needs W&B online (wandb login or WANDB_API_KEY, and WANDB_MODE not offline); "
+                          "without it run the sweep here with --local")
+
+
 def online(spec: Spec, gpus: list[str] | None, workers: int, count: int | None, project: str | None,
            entity: str | None) -> int:
     """Create the sweep on W&B's server and run its agents here until they end; their worst exit code."""
-    from fl_lightning.loggers import wandb_logged_in
-
-    if not wandb_logged_in() or os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun"):
-        raise FLUserError("a W&B sweep needs W&B online (wandb login or WANDB_API_KEY, and WANDB_MODE not offline); "
-                          "without it run the sweep here with --local")
+    require_online()
     import wandb
 
     config = {k: v for k, v in spec.config.items()}

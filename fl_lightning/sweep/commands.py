@@ -5,8 +5,12 @@ started here gets exactly the arguments a W&B agent would give it. Every command
 CLI's own parser (in-process, `--config` files and all) before anything starts, so a spec with an
 unknown option or a bad value is refused in one `error:` line instead of failing run by run.
 
-Run names (`model=FedSOL,alpha=0.1,seed=0`) are the runs' directory names below the sweep's, and
-`report` reads them back into table columns with the same helpers (`short_keys`, `display_value`).
+Run names (`config=fedsol,rho=2,seed=0`) are the runs' directory names below the sweep's. They
+name only the parameters that take more than one value in the spec: a setting every run shares says
+nothing about which run this is, and `report` prints such settings once, under its table. Keys and
+values read as in `report`'s columns (`short_keys`, `display_value`). A run that a sweep already
+recorded under another name (`.sweep/<name>.json`, written by a version that named runs otherwise)
+keeps that name, so the sweep still skips or resumes it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,11 +75,32 @@ def short_keys(keys: list[str]) -> dict[str, str]:
     return out
 
 
+def varying_keys(spec: Spec) -> list[str]:
+    """The parameters that take more than one value in the spec (a `values` list of several
+    different values, or a distribution to draw from), in spec order: the ones that tell its runs
+    apart. A `value`, or `values` with one value, is a setting every run shares."""
+    out = []
+    for key, p in spec.config["parameters"].items():
+        if "value" in p:
+            continue
+        if "values" in p and len({canonical(v) for v in p["values"]}) < 2:
+            continue
+        out.append(key)
+    return out
+
+
+def canonical(value: Any) -> str:
+    """A value as the sweep's records store it (JSON), to compare a planned value with a recorded one."""
+    return json.dumps(value, sort_keys=True, default=str)
+
+
 def run_names(spec: Spec, param_sets: list[dict]) -> list[str]:
-    """Readable, unique, stable directory names: `model=FedSOL,alpha=0.1,seed=0` for a grid;
-    random runs are numbered (`r000,...`) because their drawn values need not be unique."""
-    keys = list(spec.config["parameters"])
-    short = short_keys(keys)
+    """Readable, unique, stable directory names: `config=fedsol,seed=0` for a grid, naming only the
+    parameters that vary (all of them where none does); random runs are numbered (`r000,...`)
+    because their drawn values need not be unique."""
+    every = list(spec.config["parameters"])
+    keys = varying_keys(spec) or every
+    short = short_keys(every)  # told apart from every swept key, so `alpha` is never the other one
     names = []
     for i, params in enumerate(param_sets):
         label = ",".join(f"{short[k]}={display_value(params[k])}" for k in keys)
@@ -83,6 +109,36 @@ def run_names(spec: Spec, param_sets: list[dict]) -> list[str]:
     if len(set(names)) != len(names):
         names = [f"{i:03d},{n}" for i, n in enumerate(names)]
     return names
+
+
+def name_runs(spec: Spec, root: Path, seed: int = 0, count: int | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """Each run's directory name and parameter set, without building or parsing a command (so a
+    sweep whose runs are all over says so at once). A run the sweep below `root` recorded under
+    another name keeps it (`keep_recorded_names`)."""
+    from fl_lightning.sweep.local import recorded_names  # local.py imports this module
+
+    param_sets = expand(spec, seed=seed, count=count)
+    if not param_sets:
+        raise FLUserError(f"sweep spec {spec.path}: empty grid: no runs to start")
+    names = keep_recorded_names(run_names(spec, param_sets), param_sets, recorded_names(root / spec.name))
+    return list(zip(names, param_sets, strict=True))
+
+
+def keep_recorded_names(names: list[str], param_sets: list[dict], recorded: dict[str, list[str]]) -> list[str]:
+    """`names`, except that a run whose parameter set the sweep recorded under another name
+    (`recorded`: canonical parameters to the names recorded with them) keeps the recorded one, where
+    that is unambiguous: one record for those parameters, one planned run with them, and no planned
+    run already named so or recorded under its own name."""
+    planned = [canonical(p) for p in param_sets]
+    own = {name for names_of in recorded.values() for name in names_of}
+    out = list(names)
+    for i, (name, key) in enumerate(zip(names, planned, strict=True)):
+        found = recorded.get(key, [])
+        if (name in own or len(found) != 1 or found[0] == name or planned.count(key) != 1
+                or found[0] in names):
+            continue
+        out[i] = found[0]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -149,12 +205,9 @@ def parse_with_cli(args: list[str]) -> dict:
 def plan(spec: Spec, root: Path, seed: int = 0, count: int | None = None, validate: bool = True) -> list[PlannedRun]:
     """Every run of the spec with its full command; with `validate`, each command is parsed by the
     CLI first, so a spec naming an unknown option fails before any run starts."""
-    param_sets = expand(spec, seed=seed, count=count)
-    if not param_sets:
-        raise FLUserError(f"sweep spec {spec.path}: empty grid: no runs to start")
     runs = []
     names_logger: bool | None = None
-    for i, (name, params) in enumerate(zip(run_names(spec, param_sets), param_sets, strict=True)):
+    for i, (name, params) in enumerate(name_runs(spec, root, seed=seed, count=count)):
         args = [*fl_args(spec, params), f"--trainer.default_root_dir={root / spec.name / name}"]
         if validate and names_logger is None:
             resolved = _parse_run(spec, name, args)

@@ -10,7 +10,9 @@ its own directory (`run_state`: its recorded outcome, its checkpoint), never fro
 bookkeeping: finished runs are skipped, runs with a checkpoint resume with `--ckpt_path last`, and
 runs without one start over with `--overwrite true`. The bookkeeping (each run's command,
 parameters, status, exit code, error line and log) lives in `<root>/<sweep>/.sweep/`, never inside
-a run directory; `report` reads the same records to say why a run is missing from its table.
+a run directory; `report` reads the same records to say why a run is missing from its table, and
+the sweep reads them to find a run it recorded under another name than the one it would give it
+now (`recorded_names`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import yaml
 from fl_lightning.atomic import atomic_write_bytes
 from fl_lightning.errors import FLUserError
 from fl_lightning.outcome import Outcome, read_outcome
-from fl_lightning.sweep.commands import PlannedRun
+from fl_lightning.sweep.commands import PlannedRun, canonical
 from fl_lightning.sweep.spec import Spec
 from fl_lightning.warm import WarmWorker
 
@@ -57,6 +59,18 @@ def read_record(path: Path) -> dict | None:
     kinds = {"params": dict, "index": int, "status": str, "error": str, "exit_code": int, "attempts": int}
     return {k: v for k, v in record.items()
             if k not in kinds or (isinstance(v, kinds[k]) and not isinstance(v, bool))}
+
+
+def recorded_names(sweep_dir: Path) -> dict[str, list[str]]:
+    """The names under which the sweep in `sweep_dir` recorded its runs (`.sweep/<name>.json`), by
+    their canonical parameters: how a sweep finds its runs again when it names new runs otherwise
+    than the version that started them."""
+    found: dict[str, list[str]] = {}
+    for path in sorted((sweep_dir / ".sweep").glob("*.json")):
+        record = read_record(path)
+        if record is not None and "params" in record:
+            found.setdefault(canonical(record["params"]), []).append(path.stem)
+    return found
 
 
 def run_state(run_dir: Path) -> str:
@@ -99,12 +113,20 @@ def available_gpus() -> int:
     return torch.cuda.device_count()
 
 
-def parse_gpus(text: str | None, count: int) -> list[str] | None:
+def gpu_indices(text: str | None) -> list[str] | None:
+    """The indices `--gpus` names, checked for their form only (which GPUs exist is `parse_gpus`'s)."""
     if text is None:
         return None
     ids = [t.strip() for t in text.split(",") if t.strip()]
     if not ids or not all(t.isdigit() for t in ids):
         raise FLUserError(f"--gpus {text!r}: give GPU indices separated by commas, e.g. --gpus 0,1")
+    return ids
+
+
+def parse_gpus(text: str | None, count: int) -> list[str] | None:
+    ids = gpu_indices(text)
+    if ids is None:
+        return None
     absent = [t for t in ids if int(t) >= count]
     if absent:
         raise FLUserError(f"--gpus {text}: no GPU {', '.join(absent)} on this machine ({count} visible GPU"
