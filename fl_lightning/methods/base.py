@@ -93,7 +93,7 @@ from fl_lightning.models import FLModel, build_model
 from fl_lightning.parallel import clients_in_parallel
 from fl_lightning.round_metrics import log_round_metrics
 from fl_lightning.state import ServerState, State, WorkingCopies, state_loader
-from fl_lightning.uploads import ClientUpload, RoundUploads, ServerUpdate
+from fl_lightning.uploads import WEIGHTS, ClientUpload, RoundUploads, ServerUpdate
 
 
 def abstract_base(cls: type) -> type:
@@ -559,7 +559,7 @@ class SharedModelMethod(FederatedMethod):
     def client_end(self) -> ClientUpload:
         state = self.model.state_dict()
         weights = {k: v.detach().clone() for k, v in state.items() if k not in self.personal}
-        upload = ClientUpload(self.current_client, self.current_num_samples, weights,
+        upload = ClientUpload(self.current_client, self.current_num_samples, {WEIGHTS: weights},
                               {"drift": self.distance_to_global()})
         if self.personal:
             upload.kept.update(self.prefixed("model.", {k: state[k] for k in self.personal}))
@@ -624,7 +624,7 @@ class SharedModelMethod(FederatedMethod):
     # ---- server -------------------------------------------------------------------------------
     def server_step(self, uploads: RoundUploads) -> ServerUpdate:
         """Sample-weighted FedAvg with a server step size: w_g + eta * (avg(w_k) - w_g)."""
-        return ServerUpdate(global_state=self.global_from_average(uploads.weighted_average(lambda u: u.weights)))
+        return ServerUpdate(global_state=self.global_from_average(uploads.weighted_average(WEIGHTS)))
 
     def global_from_average(self, avg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The next global state from the clients' average: the server step size applied, and the
