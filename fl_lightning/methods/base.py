@@ -25,7 +25,8 @@ Tier 3, state across rounds: `client_start(client, num_samples)`, `client_end()`
     `server_step(uploads)`, for methods that keep state on the clients or the server. Each calls
     super() and adds its own: after `client_start` has loaded the global state and reset the
     optimizer, the method loads the client's state (`client_state(client, prefix)`);
-    `client_end` returns FedAvg's `ClientUpload`, to which the method adds its upload groups and,
+    `client_end` returns FedAvg's `ClientUpload`, to which the method adds its upload groups
+    (`upload.set_group(name, tensors)`, read by name on the server) and,
     in `upload.kept` under a prefix of its own (`prefixed`), what the client keeps; `server_step`
     returns a `ServerUpdate`, to which it adds new values of the server state it declared in
     `__init__` (`self.server.tensors(...)`).
@@ -256,9 +257,9 @@ class FederatedMethod(L.LightningModule):
 
     def server_step(self, uploads: RoundUploads) -> ServerUpdate:
         """Server: the accepted uploads -> the next round's state, returned, not applied. Sums over
-        the round's clients go through `uploads.sum` / `uploads.weighted_average` (they reduce
-        across processes when clients train in parallel); a rule that is not a sum takes
-        `uploads.gathered()`."""
+        the round's clients go through `uploads.sum(group)` / `uploads.weighted_average(group)`
+        (a group's name, or a function of an upload; they reduce across processes when clients
+        train in parallel); a rule that is not a sum takes `uploads.gathered()`."""
         raise NotImplementedError
 
     # ---- hooks a family or an unusual method overrides -------------------------------------------
