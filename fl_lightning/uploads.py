@@ -1,10 +1,15 @@
 """What a client sends to the server, what the server step returns, and the server's averaging,
 shared by every method.
 
-An upload says in its type what each tensor is for: `weights` are averaged; control-variate
-deltas are summed over the round's clients; prototypes are pooled per class; label counts and
-local step counts weight or normalise the others. So nothing rides through the weights under a
-key prefix, and the callback can check every tensor of an upload without knowing the method.
+An upload is named groups of tensors, each group named for what the server does with it:
+"weights" (the model tensors the default server step averages), SCAFFOLD's "control_delta"
+(summed), the prototype methods' "prototypes" (pooled per class), FedGen's "label_counts" and
+FedNova's "local_steps" (which weight or normalise the others), LG-FedAvg's "head" and FML/FedKD's
+"shared" (averaged into a server-side module). Within a group a tensor's name is its own (a model's
+state_dict key, a class, a parameter's name): no group rides inside another under a key prefix. So
+a new kind of upload is a new group, named and read by the method alone, and the round callback
+checks every tensor of an upload for NaN/inf, and `RoundUploads` sums any group across processes,
+without knowing the method.
 
 The server receives the round's uploads as `RoundUploads`: a list of the uploads of the clients
 this process trained, plus reductions over the uploads of every process (`parallel.py` spreads a
@@ -25,6 +30,10 @@ import torch
 
 from fl_lightning.parallel import Collective
 
+WEIGHTS = "weights"  # the group the default server step averages
+
+Group = dict[str, torch.Tensor]
+
 
 @dataclass
 class ClientUpload:
@@ -32,37 +41,56 @@ class ClientUpload:
 
     Attributes:
         client, num_samples: who sent it and how many training samples it holds.
-        weights: model tensors the server averages (by name, as in the model's state_dict).
+        groups: group name -> {tensor name -> tensor}: everything the server receives (see the
+            module docstring). `weights` is the "weights" group: model tensors by their
+            state_dict names, which the default server step averages. Scalars the server needs
+            (FedNova's step count, FedGen's label counts) travel as tensors in a group of their
+            own, so that they are checked, moved and gathered as every other tensor is.
         stats: floats for logging only, never aggregated.
-        control_delta: SCAFFOLD's c_i+ - c_i, summed over clients (and divided by N) by the server.
-        prototypes: class -> the client's feature prototype (FedProto, FedTGP, FedORGP).
-        label_counts: samples per class (FedGen weights the clients' heads by them).
-        local_steps: the number of local steps taken (FedNova normalises the update by it).
         kept: the client's own persistent state after this round (SCAFFOLD's c_i, FedDyn's g_i,
             MOON's previous model, Ditto's personal model, FedPer/FedRep's head, a heterogeneous
             client's model, FedKD's W_h): never sent, never aggregated. The round callback stores
             it in the client-state store once it has checked the upload (a client whose upload is
-            rejected as non-finite keeps its previous state), and clears this field.
+            rejected as non-finite keeps its previous state), and clears this field. Its keys
+            carry the prefixes the client-state store reads them back by (`client_state`).
     """
 
     client: int
     num_samples: int
-    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    groups: dict[str, Group] = field(default_factory=dict)
     stats: dict[str, float] = field(default_factory=dict)
-    control_delta: dict[str, torch.Tensor] = field(default_factory=dict)
-    prototypes: dict[int, torch.Tensor] = field(default_factory=dict)
-    label_counts: torch.Tensor | None = None
-    local_steps: int | None = None
     kept: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name, tensors in self.groups.items():
+            _check_names(name, tensors)
+
+    @property
+    def weights(self) -> Group:
+        return self.group(WEIGHTS)
+
+    def group(self, name: str) -> Group:
+        """The group `name` as the upload holds it, so that writing into it writes into the
+        upload; a group the client did not send is added empty."""
+        return self.groups.setdefault(name, {})
+
+    def set_group(self, name: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Sets (replaces) the group `name`."""
+        _check_names(name, tensors)
+        self.groups[name] = dict(tensors)
 
     def all_tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor the upload carries, and the state the client keeps (finiteness checks)."""
-        yield from self.weights.values()
-        yield from self.control_delta.values()
-        yield from self.prototypes.values()
-        if self.label_counts is not None:
-            yield self.label_counts
+        for tensors in self.groups.values():
+            yield from tensors.values()
         yield from self.kept.values()
+
+
+def _check_names(group: str, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Tensor names are strings: the reductions across processes match tensors by name, sorted
+    (a class label goes as str(c))."""
+    if not all(isinstance(k, str) for k in tensors):
+        raise TypeError(f"upload group '{group}': tensor names must be strings, got {list(tensors)}")
 
 
 @dataclass
@@ -143,8 +171,10 @@ class RoundUploads(list):
         return {k: local[k] if k in local else self._place(torch.zeros(shape, dtype=torch.float64))
                 for k, shape in sorted(schema.items())}
 
-    def sum(self, terms: Callable[[ClientUpload], Mapping[str, torch.Tensor | float]]) -> dict[str, torch.Tensor]:
-        """sum over every process's uploads u of terms(u), per key, in float64."""
+    def sum(self, terms: str | Callable[[ClientUpload], Mapping[str, torch.Tensor | float]]) -> dict[str, torch.Tensor]:
+        """sum over every process's uploads u of terms(u), per key, in float64; `terms` is a
+        group's name (sum that group) or a function of an upload."""
+        terms = _reader(terms)
         local: dict[str, torch.Tensor] = {}
         for u in self:
             for key, value in terms(u).items():
@@ -180,11 +210,14 @@ class RoundUploads(list):
         """The number of accepted uploads of the round, over every process."""
         return round(self.total(lambda u: 1.0))
 
-    def weighted_average(self, values: Callable[[ClientUpload], Mapping[str, torch.Tensor]],
+    def weighted_average(self, values: str | Callable[[ClientUpload], Mapping[str, torch.Tensor]] = WEIGHTS,
                          weight: Callable[[ClientUpload], float] = lambda u: u.num_samples
                          ) -> dict[str, torch.Tensor]:
         """sum_u weight(u) * values(u) / sum_u weight(u) per key over every process's uploads,
-        back in each tensor's dtype; integer tensors take the lowest-numbered client's value."""
+        back in each tensor's dtype; integer tensors take the lowest-numbered client's value.
+        `values` is a group's name (average that group, by default "weights") or a function of
+        an upload."""
+        values = _reader(values)
         first = min(self, key=lambda u: u.client, default=None)
         meta = {"dtypes": {}, "ints": None}
         if first is not None:
@@ -221,12 +254,16 @@ class RoundUploads(list):
         return sorted((_map_tensors(u, self._place) for u in every), key=lambda u: u.client)
 
 
+def _reader(values: str | Callable[[ClientUpload], Mapping]) -> Callable[[ClientUpload], Mapping]:
+    """A group's name as the function reading that group from an upload."""
+    if isinstance(values, str):
+        return lambda u: u.group(values)
+    return values
+
+
 def _map_tensors(upload: ClientUpload, fn: Callable[[torch.Tensor], torch.Tensor]) -> ClientUpload:
     return replace(
         upload,
-        weights={k: fn(v) for k, v in upload.weights.items()},
-        control_delta={k: fn(v) for k, v in upload.control_delta.items()},
-        prototypes={k: fn(v) for k, v in upload.prototypes.items()},
-        label_counts=None if upload.label_counts is None else fn(upload.label_counts),
+        groups={name: {k: fn(v) for k, v in tensors.items()} for name, tensors in upload.groups.items()},
         kept={k: fn(v) for k, v in upload.kept.items()},
     )

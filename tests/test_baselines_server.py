@@ -104,7 +104,8 @@ def test_scaffold_corrected_gradient_and_control_variates(momentum_correction):
 # ---- FedNova ----------------------------------------------------------------------------------
 class RecordingFedNova(FedNova):
     def server_step(self, uploads):
-        sent = [(u.client, u.num_samples, {k: v.clone() for k, v in u.weights.items()}, u.local_steps)
+        sent = [(u.client, u.num_samples, {k: v.clone() for k, v in u.weights.items()},
+                 int(u.group("local_steps")["tau"]))
                 for u in uploads]
         self.recorded = ({k: v.clone() for k, v in self.global_params().items()}, sent)
         return super().server_step(uploads)

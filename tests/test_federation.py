@@ -8,7 +8,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from fl_test_utils import assert_same_tensors, fit, register_tensors, server_round, toy_data
+from fl_test_utils import assert_same_tensors, fit, four_clients, register_tensors, server_round, toy_data
 from torch import nn
 
 from fl_lightning.data.datamodule import FederatedDataModule, sample_clients
@@ -22,7 +22,7 @@ def test_weighted_average_equals_hand_computation():
     a = {"w": torch.tensor([1.0, 2.0]), "n": torch.tensor(3)}
     b = {"w": torch.tensor([4.0, -2.0]), "n": torch.tensor(7)}
     # the uploads arrive in any order; integer buffers come from the lowest-numbered client
-    ups = RoundUploads([ClientUpload(5, 30, b), ClientUpload(2, 10, a)])
+    ups = RoundUploads([ClientUpload(5, 30, {"weights": b}), ClientUpload(2, 10, {"weights": a})])
     out = ups.weighted_average(lambda u: u.weights)
     torch.testing.assert_close(out["w"], torch.tensor([0.25 * 1 + 0.75 * 4, 0.25 * 2 - 0.75 * 2]))
     assert out["w"].dtype == torch.float32 and list(out) == ["w", "n"]
@@ -38,7 +38,8 @@ def test_the_weighted_sum_is_the_sum_of_scaled_float64_copies_to_the_bit():
                            ([57, 3, 11, 5], torch.float64), ([9, 4, 2**30 + 3, 6], torch.float32)):
         values = [torch.randn(4099, generator=g, dtype=dtype) * 10.0 ** torch.randint(-20, 20, (4099,), generator=g)
                   for _ in weights]
-        ups = RoundUploads([ClientUpload(c, w, {"v": v}) for c, (w, v) in enumerate(zip(weights, values, strict=True))])
+        ups = RoundUploads([ClientUpload(c, w, {"weights": {"v": v}})
+                            for c, (w, v) in enumerate(zip(weights, values, strict=True))])
         out = ups.weighted_average(lambda u: u.weights, weight=lambda u: u.num_samples)
         expected = torch.zeros(4099, dtype=torch.float64)
         for w, v in zip(weights, values, strict=True):
@@ -57,7 +58,7 @@ def test_fedavg_aggregate_weights_by_sample_count():
     method.round_start(0, [0, 1])
     ups = []
     for client, n, shift in [(0, 10, 1.0), (1, 30, -3.0)]:
-        ups.append(ClientUpload(client, n, {k: v + shift for k, v in method.global_weights.items()}))
+        ups.append(ClientUpload(client, n, {"weights": {k: v + shift for k, v in method.global_weights.items()}}))
     server_round(method, RoundUploads(ups))
     for k, v in method.model.state_dict().items():
         torch.testing.assert_close(v, method.global_weights[k] + (0.25 * 1.0 + 0.75 * -3.0))
@@ -68,7 +69,7 @@ def test_server_lr_scales_the_averaged_update():
     dm = FederatedDataModule(dataset=register_tensors(x, y), num_clients=1, partition="iid", min_size=1)
     method = FedAvg(model="mlp", data_spec=dm.spec, server_lr=0.5)
     method.round_start(0, [0])
-    server_round(method, [ClientUpload(0, 5, {k: v + 2.0 for k, v in method.global_weights.items()})])
+    server_round(method, [ClientUpload(0, 5, {"weights": {k: v + 2.0 for k, v in method.global_weights.items()}})])
     for k, v in method.model.state_dict().items():
         torch.testing.assert_close(v, method.global_weights[k] + 1.0)
 
@@ -308,7 +309,7 @@ def test_average_is_a_reducible_weighted_sum_plus_a_finishing_step():
     """Partial float64 sums, as different processes hold them, add up to the average: a fake
     two-process collective hands each share the other share's sums and metadata."""
     g = torch.Generator().manual_seed(0)
-    ups = [ClientUpload(i, n, {"w": torch.randn(5, generator=g), "n": torch.tensor(10 + i)})
+    ups = [ClientUpload(i, n, {"weights": {"w": torch.randn(5, generator=g), "n": torch.tensor(10 + i)}})
            for i, n in enumerate([3, 1, 2, 4])]
     coef = [u.num_samples / 10 for u in ups]
     expected = sum(c * u.weights["w"].double() for c, u in zip(coef, ups, strict=True)).float()
@@ -341,17 +342,23 @@ def test_average_is_a_reducible_weighted_sum_plus_a_finishing_step():
     torch.testing.assert_close(RoundUploads(ups).weighted_average(lambda u: u.weights)["w"], expected)
 
 
-def test_every_typed_field_of_an_upload_is_checked_for_finiteness():
+def test_every_group_of_an_upload_and_its_kept_state_is_checked_for_finiteness():
     from fl_lightning.uploads import all_finite
 
-    ok = ClientUpload(0, 1, {"w": torch.ones(2)}, control_delta={"w": torch.zeros(2)},
-                      prototypes={3: torch.ones(4)}, label_counts=torch.ones(3), local_steps=2)
+    ok = ClientUpload(0, 1, {"weights": {"w": torch.ones(2)}, "control_delta": {"w": torch.zeros(2)},
+                             "prototypes": {"3": torch.ones(4)}, "local_steps": {"tau": torch.tensor(2)}},
+                      kept={"c.w": torch.ones(2)})
     assert all_finite(ok)
-    for field, value in [("control_delta", {"w": torch.tensor([float("nan"), 0.0])}),
-                         ("prototypes", {1: torch.tensor([float("inf")])}),
-                         ("label_counts", torch.tensor([float("nan")]))]:
-        bad = ClientUpload(0, 1, {"w": torch.ones(2)}, **{field: value})
-        assert not all_finite(bad), field
+    for group, value in [("control_delta", {"w": torch.tensor([float("nan"), 0.0])}),
+                         ("prototypes", {"1": torch.tensor([float("inf")])}),
+                         ("any_new_kind", {"n": torch.tensor([float("nan")])})]:
+        bad = ClientUpload(0, 1, {"weights": {"w": torch.ones(2)}})
+        bad.set_group(group, value)
+        assert not all_finite(bad), group
+    assert not all_finite(ClientUpload(0, 1, {"weights": {"w": torch.ones(2)}},
+                                       kept={"c.w": torch.tensor([float("nan")])}))
+    with pytest.raises(TypeError, match="tensor names must be strings"):
+        ClientUpload(0, 1, {"prototypes": {3: torch.ones(4)}})
     # finite values whose sum overflows are finite; a NaN beside them, or an inf, is not
     huge = torch.tensor([3e38, 3e38, -1.0])
     assert all_finite({"w": huge}) and all_finite({"w": huge.to(torch.bfloat16)})
@@ -363,3 +370,40 @@ def test_every_typed_field_of_an_upload_is_checked_for_finiteness():
     assert not all_finite({"a": torch.tensor([3e38]), "b": torch.tensor([3e38, float("nan")])})
     half = torch.tensor([60000.0, 5000.0], dtype=torch.float16)  # finite; their total overflows float16
     assert all_finite({"a": half, "b": half}) and not all_finite({"a": half, "b": torch.tensor([float("nan")]).half()})
+
+
+class TallyingFedAvg(FedAvg):
+    """FedAvg with an upload kind of its own, defined here and nowhere else: every client also
+    sends a group "tally" (its sample count, as a float tensor) that the server sums over the
+    round's clients. Client 1's tally is NaN; its weights are finite."""
+
+    def client_end(self):
+        upload = super().client_end()
+        n = float("nan") if upload.client == 1 else float(upload.num_samples)
+        upload.set_group("tally", {"samples": torch.tensor(n), "ones": torch.ones(3)})
+        self.sent.append((upload.client, upload.num_samples))
+        return upload
+
+    def server_step(self, uploads):
+        sums = uploads.sum("tally")
+        self.summed.append(([u.client for u in uploads], sums))
+        return super().server_step(uploads)
+
+
+def test_a_new_upload_group_is_summed_and_checked_for_finiteness_without_touching_the_core():
+    torch.manual_seed(0)
+    dm = four_clients()
+    method = TallyingFedAvg(model="mlp", data_spec=dm.spec)
+    method.sent, method.summed = [], []
+    trainer = fit(method, dm, rounds=4, on_divergence="skip_client")
+    sampled = [method.sent[2 * r: 2 * r + 2] for r in range(4)]
+    assert any(c == 1 for s in sampled for c, _ in s) and any(all(c != 1 for c, _ in s) for s in sampled)
+    assert len(method.summed) == 4
+    for sent, (clients, sums) in zip(sampled, method.summed, strict=True):
+        accepted = [(c, n) for c, n in sent if c != 1]  # the NaN tally left client 1 out of the round
+        assert clients == [c for c, _ in accepted]
+        assert sums["samples"].dtype == torch.float64
+        assert float(sums["samples"]) == sum(n for _, n in accepted)
+        assert torch.equal(sums["ones"], torch.full((3,), float(len(accepted)), dtype=torch.float64))
+    assert all(torch.isfinite(p).all() for p in method.model.parameters())
+    assert float(trainer.callback_metrics["clients/skipped"]) in (0.0, 1.0)

@@ -10,7 +10,7 @@ from fl_test_utils import fit, fixed_parts_module, toy_data
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from fl_lightning.methods import FedGen
-from fl_lightning.methods.hetero.fedgen import diversity_loss
+from fl_lightning.methods.hetero.fedgen import diversity_loss, label_counts
 from fl_lightning.uploads import ClientUpload
 
 NOISE_DIM = 8
@@ -40,15 +40,15 @@ def test_upload_is_the_head_and_label_counts_and_heads_are_averaged_by_samples()
     method, uploads = _fedgen(dm)
     assert not bool(method.server["generator_trained"])
     fit(method, dm, rounds=1)
-    assert all(set(u.weights) == {"head.weight", "head.bias"} and not u.prototypes and not u.control_delta
+    assert all(set(u.groups) == {"head", "label_counts"} and set(u.group("head")) == {"weight", "bias"}
                for u in uploads)
     for u in uploads:
         expected = np.bincount(y.numpy()[dm.client_parts[u.client]], minlength=3)
-        assert u.label_counts.tolist() == expected.tolist()
+        assert label_counts(u).tolist() == expected.tolist()
         assert method.server["client_label_counts"][u.client].tolist() == expected.tolist()
     n = [u.num_samples for u in uploads]
     for key in ("weight", "bias"):
-        expected = sum(u.weights[f"head.{key}"] * w for u, w in zip(uploads, n, strict=True)) / sum(n)
+        expected = sum(u.group("head")[key] * w for u, w in zip(uploads, n, strict=True)) / sum(n)
         for model in method.client_models:
             torch.testing.assert_close(getattr(model.head, key).detach(), expected)
     assert bool(method.server["generator_trained"])
@@ -58,10 +58,10 @@ def _hand_made_uploads(num_classes=3, k=16):
     g = torch.Generator().manual_seed(1)
     counts = [torch.tensor([5.0, 3.0, 0.0]), torch.tensor([0.0, 1.0, 6.0])]
     return [
-        ClientUpload(c, int(counts[c].sum()), {
-            "head.weight": torch.randn(num_classes, k, generator=g),
-            "head.bias": torch.randn(num_classes, generator=g),
-        }, label_counts=counts[c])
+        ClientUpload(c, int(counts[c].sum()), {"head": {
+            "weight": torch.randn(num_classes, k, generator=g),
+            "bias": torch.randn(num_classes, generator=g),
+        }, "label_counts": {"counts": counts[c]}})
         for c in range(2)
     ]
 
@@ -78,7 +78,7 @@ def test_one_generator_step_is_adam_on_the_per_label_weighted_ensemble_ce():
 
     # the same draws: labels from the uploads' label distribution, then uniform noise
     rng = torch.Generator().manual_seed(method.server_seed())
-    counts = torch.stack([u.label_counts for u in uploads])
+    counts = torch.stack([label_counts(u) for u in uploads])
     labels = torch.multinomial(counts.sum(0), 10, replacement=True, generator=rng)
     noise = torch.rand(10, NOISE_DIM, generator=rng)
     reference.train()
@@ -88,8 +88,8 @@ def test_one_generator_step_is_adam_on_the_per_label_weighted_ensemble_ce():
         c = int(labels[b])
         row = 0
         for u in uploads:
-            w = u.label_counts[c] / counts[:, c].sum()
-            row = row + w * (u.weights["head.weight"] @ feats[b] + u.weights["head.bias"])
+            w = label_counts(u)[c] / counts[:, c].sum()
+            row = row + w * (u.group("head")["weight"] @ feats[b] + u.group("head")["bias"])
         logits.append(row)
     loss = F.cross_entropy(torch.stack(logits), labels)
     opt = torch.optim.Adam(reference.parameters(), lr=0.01)
@@ -109,7 +109,7 @@ def test_sample_weighting_gives_every_label_the_clients_sample_shares():
     dm, *_ = _datamodule()
     method, _ = _fedgen(dm)
     uploads = _hand_made_uploads()
-    counts = torch.stack([u.label_counts for u in uploads])
+    counts = torch.stack([label_counts(u) for u in uploads])
     w = method.teacher_weights(uploads, counts)
     torch.testing.assert_close(w, torch.tensor([[8 / 15] * 3, [7 / 15] * 3]))
     method.hparams.teacher_weighting = "label_counts"
@@ -122,7 +122,7 @@ def test_training_the_generator_makes_the_ensemble_recognise_its_features():
     method, _ = _fedgen(dm, server_steps=150, server_batch_size=32)
     method.round_idx = 0
     uploads = _hand_made_uploads()
-    heads = [(u.weights["head.weight"], u.weights["head.bias"]) for u in uploads]
+    heads = [(u.group("head")["weight"], u.group("head")["bias"]) for u in uploads]
     labels = torch.arange(3).repeat(20)
     noise = torch.rand(60, NOISE_DIM, generator=torch.Generator().manual_seed(5))
 

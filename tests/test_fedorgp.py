@@ -12,6 +12,7 @@ from fl_test_utils import fit, one_client_module, toy_data
 from fl_lightning.methods import FedORGP
 from fl_lightning.methods.hetero.prototypes import (
     TrainablePrototypes,
+    client_prototypes,
     orthogonality_loss,
     separation,
     train_on_pairs,
@@ -104,14 +105,14 @@ def test_upload_is_the_class_prototypes_and_nothing_else():
     method.server_step = lambda ups: (uploads.extend(ups), step(ups))[1]
     fit(method, dm, rounds=1)
     (upload,) = uploads
-    assert set(upload.prototypes) == set(torch.unique(y).tolist())
-    assert not upload.weights and not upload.control_delta and upload.label_counts is None
+    assert set(upload.groups) == {"prototypes"}
+    assert set(client_prototypes(upload)) == set(torch.unique(y).tolist())
     model = method.client_models[0].eval()
     with torch.no_grad():
         feats = model.features(x)
     for c in torch.unique(y).tolist():
         torch.testing.assert_close(
-            upload.prototypes[c], feats[y == c].mean(0), atol=1e-6, rtol=1e-5
+            client_prototypes(upload)[c], feats[y == c].mean(0), atol=1e-6, rtol=1e-5
         )
     # the server's global prototypes are the trainable module's outputs, for every class
     torch.testing.assert_close(method.global_protos, method.server["prototypes"]().detach())
@@ -127,5 +128,5 @@ def test_without_or_the_global_prototypes_are_the_plain_mean():
     method.server_step = lambda ups: (uploads.extend(ups), step(ups))[1]
     fit(method, dm, rounds=1)
     for c in range(3):
-        ps = [u.prototypes[c] for u in uploads if c in u.prototypes]
+        ps = [client_prototypes(u)[c] for u in uploads if c in client_prototypes(u)]
         torch.testing.assert_close(method.global_protos[c], torch.stack(ps).mean(0))

@@ -9,7 +9,7 @@ from fl_test_utils import fit, one_client_module, toy_data
 
 from fl_lightning.methods import FML, FedGH, FedKD, FedProto, FedTGP, LGFedAvg
 from fl_lightning.methods.hetero.fml_fedkd import compress_state, decompress_state, svd_compress
-from fl_lightning.methods.hetero.prototypes import margin_contrastive_loss
+from fl_lightning.methods.hetero.prototypes import client_prototypes, margin_contrastive_loss
 
 
 def _two_clients(cls, n=24, **kw):
@@ -32,11 +32,11 @@ def test_lg_fedavg_averages_heads_by_samples_and_sends_them_to_everyone():
     heads0 = [copy.deepcopy(m.head.state_dict()) for m in method.client_models]
     torch.testing.assert_close(heads0[0], heads0[1])  # one shared initial head
     fit(method, dm, rounds=1)
-    assert all(set(u.weights) == {"head.weight", "head.bias"} for u in uploads)
+    assert all(set(u.groups) == {"head"} and set(u.group("head")) == {"weight", "bias"} for u in uploads)
     n = [u.num_samples for u in uploads]
     assert n == [len(p) for p in dm.client_parts]
     for key in ("weight", "bias"):
-        expected = sum(u.weights[f"head.{key}"] * w for u, w in zip(uploads, n, strict=True)) / sum(n)
+        expected = sum(u.group("head")[key] * w for u, w in zip(uploads, n, strict=True)) / sum(n)
         for model in method.client_models:
             torch.testing.assert_close(getattr(model.head, key).detach(), expected)
 
@@ -45,9 +45,9 @@ def test_fedgh_trains_the_global_head_on_prototypes():
     method, dm, x, y, uploads = _two_clients(FedGH, server_epochs=20, server_lr=0.5)
     head0 = copy.deepcopy(method.server["global_head"])
     fit(method, dm, rounds=1)
-    assert all(u.prototypes and not u.weights for u in uploads)
-    protos = torch.stack([p for u in uploads for p in u.prototypes.values()])
-    labels = torch.tensor([c for u in uploads for c in u.prototypes])
+    assert all(set(u.groups) == {"prototypes"} and u.group("prototypes") for u in uploads)
+    protos = torch.stack([p for u in uploads for p in client_prototypes(u).values()])
+    labels = torch.tensor([c for u in uploads for c in client_prototypes(u)])
     with torch.no_grad():
         before = F.cross_entropy(head0(protos), labels)
         after = F.cross_entropy(method.server["global_head"](protos), labels)
@@ -60,7 +60,7 @@ def test_fedproto_mean_prototypes_mse_loss_and_nearest_prototype_prediction():
     method, dm, x, y, uploads = _two_clients(FedProto, lam=2.0, lr=0.1)
     fit(method, dm, rounds=1)
     for c in range(3):
-        ps = [u.prototypes[c] for u in uploads if c in u.prototypes]
+        ps = [client_prototypes(u)[c] for u in uploads if c in client_prototypes(u)]
         torch.testing.assert_close(method.global_protos[c], torch.stack(ps).mean(0))  # unweighted
     # local loss of round 2: CE + lam * MSE(f, P^y)
     model = method.client_models[0]
@@ -117,7 +117,7 @@ def test_fml_shared_model_is_the_sample_weighted_average():
     fit(method, dm, rounds=1)
     n = [u.num_samples for u in uploads]
     for k, v in method.server["global_shared"].state_dict().items():
-        expected = sum(u.weights[f"shared.{k}"] * w for u, w in zip(uploads, n, strict=True)) / sum(n)
+        expected = sum(u.group("shared")[k] * w for u, w in zip(uploads, n, strict=True)) / sum(n)
         torch.testing.assert_close(v, expected)
 
 
@@ -159,9 +159,8 @@ def test_fedkd_uploads_compressed_shared_model_and_keeps_w_h_local():
     method, dm, x, y, uploads = _two_clients(FedKD)
     fit(method, dm, rounds=1)
     for u in uploads:
-        assert all(k.startswith("shared.") for k in u.weights)
-        assert any(k.endswith(".U") for k in u.weights)  # matrices travel as SVD factors
-        assert not any("W_h" in k for k in u.weights)
+        assert set(u.groups) == {"shared"}  # the shared model only: W_h stays on the client
+        assert any(k.endswith(".U") for k in u.group("shared"))  # matrices travel as SVD factors
     assert {c for c in method.client_states if method.client_state(c, "W_h.")} == {0, 1}  # the clients that trained
     w0, w1 = (method.client_state(c, "W_h.")["weight"] for c in (0, 1))
     assert not torch.equal(w0, w1)  # each client has its own W_h

@@ -84,7 +84,7 @@ def test_every_methods_server_step_returns_its_result_and_changes_nothing(name):
 def _two_uploads(method, shifts=(0.5, -0.25), sizes=(10, 30)):
     """Two clients whose models are the global model shifted by a constant (their uploads)."""
     g = method.global_weights
-    return [ClientUpload(c, n, {k: v + s if torch.is_floating_point(v) else v for k, v in g.items()})
+    return [ClientUpload(c, n, {"weights": {k: v + s if torch.is_floating_point(v) else v for k, v in g.items()}})
             for c, (s, n) in enumerate(zip(shifts, sizes, strict=True))]
 
 

@@ -25,7 +25,8 @@ Tier 3, state across rounds: `client_start(client, num_samples)`, `client_end()`
     `server_step(uploads)`, for methods that keep state on the clients or the server. Each calls
     super() and adds its own: after `client_start` has loaded the global state and reset the
     optimizer, the method loads the client's state (`client_state(client, prefix)`);
-    `client_end` returns FedAvg's `ClientUpload`, to which the method adds its upload groups and,
+    `client_end` returns FedAvg's `ClientUpload`, to which the method adds its upload groups
+    (`upload.set_group(name, tensors)`, read by name on the server) and,
     in `upload.kept` under a prefix of its own (`prefixed`), what the client keeps; `server_step`
     returns a `ServerUpdate`, to which it adds new values of the server state it declared in
     `__init__` (`self.server.tensors(...)`).
@@ -93,7 +94,7 @@ from fl_lightning.models import FLModel, build_model
 from fl_lightning.parallel import clients_in_parallel
 from fl_lightning.round_metrics import log_round_metrics
 from fl_lightning.state import ServerState, State, WorkingCopies, state_loader
-from fl_lightning.uploads import ClientUpload, RoundUploads, ServerUpdate
+from fl_lightning.uploads import WEIGHTS, ClientUpload, RoundUploads, ServerUpdate
 
 
 def abstract_base(cls: type) -> type:
@@ -256,9 +257,9 @@ class FederatedMethod(L.LightningModule):
 
     def server_step(self, uploads: RoundUploads) -> ServerUpdate:
         """Server: the accepted uploads -> the next round's state, returned, not applied. Sums over
-        the round's clients go through `uploads.sum` / `uploads.weighted_average` (they reduce
-        across processes when clients train in parallel); a rule that is not a sum takes
-        `uploads.gathered()`."""
+        the round's clients go through `uploads.sum(group)` / `uploads.weighted_average(group)`
+        (a group's name, or a function of an upload; they reduce across processes when clients
+        train in parallel); a rule that is not a sum takes `uploads.gathered()`."""
         raise NotImplementedError
 
     # ---- hooks a family or an unusual method overrides -------------------------------------------
@@ -559,7 +560,7 @@ class SharedModelMethod(FederatedMethod):
     def client_end(self) -> ClientUpload:
         state = self.model.state_dict()
         weights = {k: v.detach().clone() for k, v in state.items() if k not in self.personal}
-        upload = ClientUpload(self.current_client, self.current_num_samples, weights,
+        upload = ClientUpload(self.current_client, self.current_num_samples, {WEIGHTS: weights},
                               {"drift": self.distance_to_global()})
         if self.personal:
             upload.kept.update(self.prefixed("model.", {k: state[k] for k in self.personal}))
@@ -624,7 +625,7 @@ class SharedModelMethod(FederatedMethod):
     # ---- server -------------------------------------------------------------------------------
     def server_step(self, uploads: RoundUploads) -> ServerUpdate:
         """Sample-weighted FedAvg with a server step size: w_g + eta * (avg(w_k) - w_g)."""
-        return ServerUpdate(global_state=self.global_from_average(uploads.weighted_average(lambda u: u.weights)))
+        return ServerUpdate(global_state=self.global_from_average(uploads.weighted_average(WEIGHTS)))
 
     def global_from_average(self, avg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The next global state from the clients' average: the server step size applied, and the

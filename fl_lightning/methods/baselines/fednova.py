@@ -11,24 +11,29 @@ is not reproduced. Non-parameter buffers (e.g. BN statistics) are averaged as in
 
 from __future__ import annotations
 
+import torch
+
 from fl_lightning.methods.base import SharedModelMethod
 from fl_lightning.methods.baselines.local_steps import effective_steps
-from fl_lightning.uploads import ClientUpload, RoundUploads, ServerUpdate
+from fl_lightning.uploads import WEIGHTS, ClientUpload, RoundUploads, ServerUpdate
+
+LOCAL_STEPS = "local_steps"  # the upload's group holding tau_i ("tau"), the client's local steps
 
 
 class FedNova(SharedModelMethod):
     def client_end(self) -> ClientUpload:
         upload = super().client_end()
-        upload.local_steps = self.local_step
+        # a tensor in a group of its own: checked, moved and gathered as every other tensor is
+        upload.set_group(LOCAL_STEPS, {"tau": torch.tensor(self.local_step)})
         return upload
 
     def server_step(self, uploads: RoundUploads) -> ServerUpdate:
-        new = uploads.weighted_average(lambda u: u.weights)  # buffers; parameters are replaced below
+        new = uploads.weighted_average(WEIGHTS)  # buffers; parameters are replaced below
         g = self.global_params()
         momentum = self.hparams.momentum
 
         def terms(u):  # n_i a_i and (n_i / a_i)(w_g - w_i): p_i = n_i / n after the reduction
-            a = effective_steps(u.local_steps, momentum)
+            a = effective_steps(int(u.group(LOCAL_STEPS)["tau"]), momentum)
             return {"n": float(u.num_samples), "n_a": u.num_samples * a,
                     **{name: (u.num_samples / a) * (wg.double() - u.weights[name].double()) for name, wg in g.items()}}
 

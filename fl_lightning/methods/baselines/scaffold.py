@@ -10,6 +10,7 @@ average gradient, K_eff = (K - m(1 - m^K)/(1 - m)) / (1 - m) (as the official co
 authors does); `momentum_correction: false` uses the paper's plain K. A client that has not taken
 part has c_i = 0; a client keeps its c_i+ (`upload.kept`, stored once the upload is accepted, so a
 client whose upload is rejected as non-finite keeps its old c_i); the server's c is server state.
+The upload carries c_i+ - c_i in its group "control_delta", which the server sums.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from fl_lightning.methods.base import SharedModelMethod
 from fl_lightning.methods.baselines.local_steps import effective_steps
 from fl_lightning.state import trainable_zeros
 from fl_lightning.uploads import ClientUpload, RoundUploads, ServerUpdate
+
+CONTROL_DELTA = "control_delta"  # the upload's group of c_i+ - c_i, by parameter name
 
 
 class SCAFFOLD(SharedModelMethod):
@@ -62,17 +65,18 @@ class SCAFFOLD(SharedModelMethod):
     def client_end(self) -> ClientUpload:
         upload = super().client_end()
         g, scale, c = self.global_params(), self.steps_scale(), self.server["c"]
+        delta = upload.group(CONTROL_DELTA)
         for n, p in self.model.named_parameters():
             if n in c:
                 # delta c_i = c_i+ - c_i = -c + (w_g - w_i) / (K_eff * lr)
-                upload.control_delta[n] = (g[n] - p.detach()) / scale - c[n]
-        upload.kept.update(self.prefixed("c.", {n: d + self._client_c[n] for n, d in upload.control_delta.items()}))
+                delta[n] = (g[n] - p.detach()) / scale - c[n]
+        upload.kept.update(self.prefixed("c.", {n: d + self._client_c[n] for n, d in delta.items()}))
         return upload
 
     def server_step(self, uploads: RoundUploads) -> ServerUpdate:
         update = super().server_step(uploads)
         num_clients = self.trainer.datamodule.num_clients
         c = self.server["c"]
-        sums = uploads.sum(lambda u: u.control_delta)  # c += sum_i delta c_i / N
+        sums = uploads.sum(CONTROL_DELTA)  # c += sum_i delta c_i / N
         update.server_state["c"] = {n: c[n] + (sums[n] / num_clients).to(c[n].dtype) if n in sums else c[n] for n in c}
         return update

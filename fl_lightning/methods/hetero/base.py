@@ -269,13 +269,14 @@ class HeteroMethod(FederatedMethod):
             return size < full
         return size < 2
 
-    def upload(self) -> dict:
-        """What the installed client sends, as `ClientUpload` fields (e.g. {"prototypes": ...});
-        the only thing that crosses the network."""
+    def upload(self) -> dict[str, dict[str, torch.Tensor]]:
+        """What the installed client sends, as the upload's named groups of tensors (e.g.
+        {"prototypes": {"0": ..., "3": ...}}, see `ClientUpload`); the only thing that crosses
+        the network."""
         raise NotImplementedError
 
     def client_end(self) -> ClientUpload:
-        fields = self.upload()
+        groups = self.upload()
         stats = self.client_stats()
         # copies: the architecture's module is loaded with the next client's weights in place
         model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -284,7 +285,7 @@ class HeteroMethod(FederatedMethod):
         self._bind_optimizer()  # back to the anchor: checkpoints hold no client's parameters
         client, n = self.current_client, self.current_num_samples
         self.current_client = None
-        return ClientUpload(client, n, stats=stats, kept=kept, **fields)
+        return ClientUpload(client, n, groups, stats=stats, kept=kept)
 
     def client_stats(self) -> dict[str, float]:
         return {}

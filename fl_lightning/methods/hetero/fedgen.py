@@ -9,7 +9,8 @@ leaving any client.
     client  loss = CE(h_k(f_k(x)), y) + gen_weight * CE(h_k(G(y', eps)), y'),
             y' ~ p(y), eps ~ U[0, 1)^noise_dim, G in eval mode and not trained by the client;
             plain CE until the server has trained G once.
-            Upload: its head and its label counts.
+            Upload: its head (group "head", as LG-FedAvg) and its label counts (group
+            "label_counts").
     server  1. Train G for server_steps Adam steps (a fresh Adam every round, as HtFLlib) on
                CE(sum_k w_k(y') h_k(G(y', eps)), y') + diversity_weight * L_div,
                with y' drawn from the label distribution of this round's uploads, and
@@ -47,8 +48,15 @@ from torch import nn
 from fl_lightning import compat
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import LossContext
-from fl_lightning.methods.hetero.lgfedavg_fedgh import HEAD_PREFIX, LGFedAvg
+from fl_lightning.methods.hetero.lgfedavg_fedgh import HEAD, LGFedAvg
 from fl_lightning.uploads import ClientUpload, RoundUploads, ServerUpdate
+
+LABEL_COUNTS = "label_counts"  # the upload group holding the client's samples per class ("counts")
+
+
+def label_counts(upload: ClientUpload) -> torch.Tensor:
+    """The (C,) samples per class a client uploaded."""
+    return upload.group(LABEL_COUNTS)["counts"]
 
 
 class FeatureGenerator(nn.Module):
@@ -169,7 +177,7 @@ class FedGen(LGFedAvg):
 
     def upload(self) -> dict:
         counts = self.trainer.datamodule.client_class_counts(self.current_client)
-        return {**super().upload(), "label_counts": torch.as_tensor(counts, dtype=torch.float32)}
+        return {**super().upload(), LABEL_COUNTS: {"counts": torch.as_tensor(counts, dtype=torch.float32)}}
 
     # ---- server -------------------------------------------------------------------------------
     def teacher_weights(self, uploads: list[ClientUpload], counts: torch.Tensor) -> torch.Tensor:
@@ -184,11 +192,10 @@ class FedGen(LGFedAvg):
         h, dev = self.hparams, self.device
         generator = copy.deepcopy(self.generator)
         dtype = next(generator.parameters()).dtype  # the run's precision (float32, float64 for 64-true)
-        counts = torch.stack([u.label_counts.to(dev) for u in uploads])
+        counts = torch.stack([label_counts(u).to(dev) for u in uploads])
         weights = self.teacher_weights(uploads, counts).to(torch.promote_types(dtype, torch.float32))
         heads = [
-            (u.weights[f"{HEAD_PREFIX}weight"].to(dev, dtype), u.weights[f"{HEAD_PREFIX}bias"].to(dev, dtype))
-            for u in uploads
+            (u.group(HEAD)["weight"].to(dev, dtype), u.group(HEAD)["bias"].to(dev, dtype)) for u in uploads
         ]
         label_dist = counts.sum(0)
         rng = torch.Generator(device=dev).manual_seed(self.server_seed())
@@ -214,7 +221,7 @@ class FedGen(LGFedAvg):
         everyone = uploads.gathered()
         counts = self.server["client_label_counts"].clone()
         for u in everyone:
-            counts[u.client] = u.label_counts.to(counts)
+            counts[u.client] = label_counts(u).to(counts)
         generator, loss = self.train_generator(everyone)
         update = super().server_step(uploads)
         update.server_state.update(generator=generator, generator_trained=torch.tensor(True),

@@ -35,6 +35,8 @@ from fl_lightning.methods.hetero.base import HeteroMethod
 from fl_lightning.models.hetero import build_group_model
 from fl_lightning.uploads import RoundUploads, ServerUpdate
 
+SHARED = "shared"  # the upload group: the client's copy of the shared model, by its state_dict names
+
 
 def kl_to(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
     """KL(softmax(target) || softmax(logits)), batch mean; the target is detached."""
@@ -63,11 +65,10 @@ class MutualLearningMethod(HeteroMethod):
         return list(self.shared.parameters())
 
     def upload(self) -> dict:
-        return {"weights": {f"shared.{k}": v.detach().clone() for k, v in self.shared.state_dict().items()}}
+        return {SHARED: {k: v.detach().clone() for k, v in self.shared.state_dict().items()}}
 
     def server_step(self, uploads: RoundUploads) -> ServerUpdate:
-        avg = uploads.weighted_average(lambda u: u.weights)
-        return ServerUpdate(server_state={"global_shared": {k.removeprefix("shared."): v for k, v in avg.items()}})
+        return ServerUpdate(server_state={"global_shared": uploads.weighted_average(SHARED)})
 
 
 class FML(MutualLearningMethod):
@@ -191,11 +192,11 @@ class FedKD(MutualLearningMethod):
         return local + shared
 
     def upload(self) -> dict:
-        return {"weights": compress_state(self.shared.state_dict(), self.energy(), "shared.")}
+        return {SHARED: compress_state(self.shared.state_dict(), self.energy(), "")}
 
     def server_step(self, uploads: RoundUploads) -> ServerUpdate:
         like = self.server["global_shared"].state_dict()
-        avg = uploads.weighted_average(lambda u: decompress_state(u.weights, like, "shared."))
+        avg = uploads.weighted_average(lambda u: decompress_state(u.group(SHARED), like, ""))
         # the server sends the average back compressed too; clients receive the reconstruction
         sent = compress_state(avg, self.energy(), "")
         return ServerUpdate(server_state={"global_shared": decompress_state(sent, like, "")})

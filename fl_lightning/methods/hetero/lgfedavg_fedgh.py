@@ -24,7 +24,7 @@ from fl_lightning.methods.hetero.base import HeteroMethod
 from fl_lightning.methods.hetero.prototypes import class_prototypes, prototype_upload, train_on_pairs, uploaded_pairs
 from fl_lightning.uploads import RoundUploads, ServerUpdate
 
-HEAD_PREFIX = "head."
+HEAD = "head"  # LG-FedAvg's upload group: the client's head, by the head's own state_dict names
 
 
 @abstract_base
@@ -51,11 +51,10 @@ class LGFedAvg(SharedHeadMethod):
         self.save_hyperparameters()
 
     def upload(self) -> dict:
-        return {"weights": {f"{HEAD_PREFIX}{k}": v.detach().clone() for k, v in self.model.head.state_dict().items()}}
+        return {HEAD: {k: v.detach().clone() for k, v in self.model.head.state_dict().items()}}
 
     def server_step(self, uploads: RoundUploads) -> ServerUpdate:
-        avg = uploads.weighted_average(lambda u: {k: v for k, v in u.weights.items() if k.startswith(HEAD_PREFIX)})
-        return ServerUpdate(server_state={"global_head": {k.removeprefix(HEAD_PREFIX): v for k, v in avg.items()}})
+        return ServerUpdate(server_state={"global_head": uploads.weighted_average(HEAD)})
 
 
 class FedGH(SharedHeadMethod):

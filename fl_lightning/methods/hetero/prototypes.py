@@ -56,16 +56,24 @@ def class_prototypes(model: nn.Module, loader, device) -> dict[int, torch.Tensor
     return {c: sums[c] / counts[c] for c in sorted(sums)}
 
 
-def prototype_upload(protos: dict[int, torch.Tensor]) -> dict[str, dict[int, torch.Tensor]]:
+PROTOTYPES = "prototypes"  # the upload group: class (as str(c)) -> the client's prototype
+
+
+def prototype_upload(protos: dict[int, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
     """The upload of a client that sends only its class prototypes."""
-    return {"prototypes": {c: p.detach() for c, p in protos.items()}}
+    return {PROTOTYPES: {str(c): p.detach() for c, p in protos.items()}}
+
+
+def client_prototypes(upload: ClientUpload) -> dict[int, torch.Tensor]:
+    """An upload's prototypes by class."""
+    return {int(c): p for c, p in upload.group(PROTOTYPES).items()}
 
 
 def uploaded_pairs(uploads: list[ClientUpload], device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every received (client prototype, class) pair as a (M, K) matrix and (M,) labels."""
     protos, labels = [], []
     for u in uploads:
-        for c, p in u.prototypes.items():
+        for c, p in client_prototypes(u).items():
             protos.append(p.to(device))
             labels.append(int(c))
     return torch.stack(protos), torch.tensor(labels, device=device)
