@@ -120,3 +120,16 @@ def test_lightnings_own_load_is_data_only_whatever_it_is_asked(fitted, tmp_path)
 def test_the_projects_own_checkpoint_is_data(fitted):
     state = torch.load(fitted / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert {"state_dict", "hyper_parameters", "loops", "callbacks"} <= set(state)
+
+
+def test_every_project_type_a_checkpoint_may_hold_is_allowlisted_by_its_own_module():
+    """A researcher's `torch.load(ckpt, weights_only=True)` needs only the type's import."""
+    import subprocess
+    import sys
+
+    code = ("import torch, fl_lightning.data.datasets as d\n"
+            "print(d.DataSpec in torch.serialization.get_safe_globals())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "True", done.stderr
+    from fl_lightning.checkpointing import SAFE_GLOBALS
+    assert set(SAFE_GLOBALS) <= set(torch.serialization.get_safe_globals())

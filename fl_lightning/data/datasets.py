@@ -49,6 +49,11 @@ class DataSpec:
     image_size: int
 
 
+# The method's hyperparameters in every checkpoint hold a DataSpec: allowlisted for torch's
+# weights-only loader, the only way fl-lightning reads a checkpoint (checkpointing.SAFE_GLOBALS).
+torch.serialization.add_safe_globals([DataSpec])
+
+
 @dataclass(frozen=True)
 class DataRequest:
     """What a loader is asked for: where the files are, whether it may download them, the seed of
