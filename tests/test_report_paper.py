@@ -169,3 +169,18 @@ def test_latex_is_the_papers_table(tmp_path):
     assert "% - FedProx-0: unfinished\n" in out
     assert (tmp_path / "t" / "report.tex").read_text() == expected + "\n"
     assert (tmp_path / "t" / "report.csv").is_file()
+
+
+def test_a_sweep_run_that_never_started_does_not_make_every_option_a_column(tmp_path):
+    """A recorded sweep run without a directory (crashed at start-up) has no config.yaml: every
+    option of a plain run beside it read as differing (`| X | digits | 0.1 | ... |`)."""
+    d = tmp_path / "runs"
+    config = {"seed_everything": 0, "data": {"dataset": "digits", "alpha": 0.1}}
+    make_run(d / "mnist5k", "fedavg", {}, final=0.5, config=config, record=False)
+    (d / "s" / ".sweep").mkdir(parents=True)
+    (d / "s" / ".sweep" / "rho=1.json").write_text(json.dumps(
+        {"name": "rho=1", "index": 0, "params": {"model.init_args.rho": 1.0}, "status": "crashed", "error": "boom"}))
+    code, out, err = report(str(d))
+    assert code == 0, err
+    assert table_cells(out) == [["method", "final acc", "best acc", "seeds"], ["X", "50.00 (n=1)", "50.00 (n=1)", "1"]]
+    assert "- s/rho=1: crashed: boom" in out
