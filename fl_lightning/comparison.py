@@ -6,7 +6,11 @@
   row - baseline over seeds. Paired (Student's t on the per-seed differences, n - 1 degrees of
   freedom) when every seed of the row also ran for the baseline, as when a sweep gives every method
   the same seeds; otherwise Welch's t (unequal variances, Welch-Satterthwaite degrees of freedom).
-  Fewer than two values on a side give no interval.
+  Fewer than two values on a side give no interval; an interval over fewer than `MIN_SEEDS` says
+  so in its cell: the spread of one or two values is no estimate of the seeds' spread (with two,
+  the t quantile alone is 12.7), so neither its width nor its sign can be trusted.
+- A paper table (`load_compare`, `configs/tables/<table>.yaml`): the published numbers that
+  `--compare` prints ours against.
 - Learning curves (`curves_png`): global test accuracy against rounds, one line per row with a
   band of ± one std over its seeds.
 """
@@ -20,10 +24,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import yaml
 
 from fl_lightning.atomic import atomic_write_bytes
+from fl_lightning.errors import FLUserError
 
 FIGURES = ("final", "best", "last_k_mean")
+MIN_SEEDS = 3  # an interval over fewer seeds is flagged (see the module docstring)
+FEW_SEEDS_NOTE = ("(an interval over fewer than 3 seeds estimates the spread from one or two values: neither its "
+                  "width nor its sign can be trusted; run 3 or more seeds)")
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
@@ -70,10 +79,16 @@ class Difference:
     test: str  # "paired t", "Welch t" or "no CI (n < 2)"
     n: int
 
+    @property
+    def few_seeds(self) -> bool:
+        """An interval over too few seeds to be read (see the module docstring)."""
+        return self.low is not None and self.n < MIN_SEEDS
+
     def text(self) -> str:
         if self.low is None:
             return f"{self.mean:+.2f} ({self.test})"
-        return f"{self.mean:+.2f} [{self.low:+.2f}, {self.high:+.2f}] ({self.test}, n={self.n})"
+        flag = f": fewer than {MIN_SEEDS} seeds, not to be trusted" if self.few_seeds else ""
+        return f"{self.mean:+.2f} [{self.low:+.2f}, {self.high:+.2f}] ({self.test}, n={self.n}{flag})"
 
 
 def difference(row: dict[tuple, float], base: dict[tuple, float], level: float = 0.95) -> Difference | None:
@@ -161,3 +176,47 @@ def curves_png(curves: dict[str, list[dict[int, float]]], path: Path, title: str
     fig.savefig(buffer, format="png")
     plt.close(fig)
     atomic_write_bytes(path, buffer.getvalue())
+
+
+COMPARE_EXPECTED = "expected a paper table with `published: {metric, entries: [{match: {...}, acc: <number>}, ...]}`"
+
+
+def load_compare(path: Path) -> dict:
+    """A paper table (configs/tables/<table>.yaml), checked: one line for a file that is not one."""
+    if not path.is_file():
+        raise FLUserError(f"--compare {path}: no such file")
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or type(err).__name__
+        raise FLUserError(f"--compare {path}: not valid YAML{where} ({problem}); {COMPARE_EXPECTED}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise FLUserError(f"--compare {path}: cannot be read ({getattr(err, 'strerror', None) or err})") from None
+    doc = {} if doc is None else doc
+    if not isinstance(doc, dict):
+        raise FLUserError(f"--compare {path}: the file holds a {type(doc).__name__}, not a mapping; "
+                          f"{COMPARE_EXPECTED}")
+    published = doc.get("published")
+    if not isinstance(published, dict) or not isinstance(published.get("entries"), list):
+        raise FLUserError(f"--compare {path}: {COMPARE_EXPECTED}")
+    if not isinstance(published.get("metric", "final_acc"), str):
+        raise FLUserError(f"--compare {path}: published.metric must be a metric name such as final_acc, got "
+                          f"{published['metric']!r}")
+    for i, entry in enumerate(published["entries"], start=1):
+        _check_entry(entry, f"--compare {path}: published entry {i}")
+    return {**published, "title": f"{doc.get('paper', '')}: {doc.get('table', '')}".strip(": ")}
+
+
+def _check_entry(entry, where: str) -> None:
+    if not isinstance(entry, dict):
+        raise FLUserError(f"{where} must be a mapping ({{match: {{...}}, acc: <number>}}), got {entry!r}")
+    if not isinstance(entry.get("match") or {}, dict):
+        raise FLUserError(f"{where}: match must map sweep parameters to values, got {entry['match']!r}")
+    for key in ("acc", "std"):
+        number = entry.get(key)
+        if number is not None and (isinstance(number, bool) or not isinstance(number, int | float)):
+            raise FLUserError(f"{where}: {key} must be a number (percent) or null, got {number!r}")
+    if not isinstance(entry.get("metric", ""), str):
+        raise FLUserError(f"{where}: metric must be a metric name such as final_acc, got {entry['metric']!r}")

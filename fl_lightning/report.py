@@ -10,11 +10,19 @@ are left out of the mean; failed runs keep their chance-level accuracy, as the p
 
 Row labels are the sweep parameters of each run (recorded by `fl-lightning sweep --local` in
 `.sweep/<run>.json`), or for other run directories the options whose values differ between runs
-in their `config.yaml`. `--compare configs/tables/<table>.yaml` adds the paper's published numbers
-for the matching rows and our difference to them.
+in their `config.yaml`; where runs of both kinds are mixed, each run's value of every label is
+read from its own config.yaml (`fill_labels`). The table shows the method and the labels that
+differ between its rows, named in the curves' legend (`FedSOL, rho=2`); the labels every row
+shares are one line under the table (`All rows: max_epochs=3, ...`), and a swept method file
+(`config`) that only repeats the method is left out. The CSV keeps every label as a column.
+`--compare configs/tables/<table>.yaml` adds the paper's published numbers for the matching rows
+and our difference to them; an entry matches a run by its sweep parameters, or by its config.yaml:
+`config: <method file>` matches a run whose config holds every option that file sets.
+`--format latex` prints the table as a paper's booktabs table (`report_tables`) and writes it
+beside the CSV.
 
 A number is only as good as the runs under it, so before anything is averaged each finished run is
-checked (`screen`): a run whose metrics.csv is missing, empty, cut short or unparsable, or whose
+checked (`report_runs.screen`): a run whose metrics.csv is missing, empty, cut short or unparsable, or whose
 rows disagree with its summary.json (fewer rounds than it records completed, another last row,
 another final or best accuracy), is damaged; a run whose config.yaml, seeds included, equals an
 earlier run's (by path) once the options that only say where a run is stored are set aside is a
@@ -33,291 +41,34 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from fl_lightning.atomic import atomic_write_bytes
 from fl_lightning.comparison import (
+    FEW_SEEDS_NOTE,
     FIGURES,
     accuracy_key,
     curve,
     curves_png,
     difference,
     figure,
+    load_compare,
     log_report_to_wandb,
 )
 from fl_lightning.errors import FLUserError, OneLineArgumentParser
-from fl_lightning.outcome import Outcome, read_outcome
-from fl_lightning.sweep import FINAL_STATES, SEED_KEYS, display_value, read_json, read_record, short_keys
+from fl_lightning.report_runs import (
+    METHOD_KEYS,
+    Row,
+    Run,
+    collect,
+    counted,
+    fill_labels,
+    group,
+    holds,
+    same,
+)
+from fl_lightning.report_tables import best_cells, comment, escape, latex, markdown, published_text
+from fl_lightning.sweep import FINAL_STATES, SEED_KEYS, display_value, short_keys
 from fl_lightning.wandb_online import wandb_online
-
-# Options that name where and how a run is stored, not what it computes.
-BOOKKEEPING_KEYS = ("ckpt_path", "overwrite", "trainer.default_root_dir", "trainer.logger.init_args.name",
-                    "trainer.logger.init_args.group", "trainer.logger.init_args.save_dir",
-                    "trainer.logger.init_args.version", "trainer.logger.init_args.id")
-
-
-@dataclass
-class Run:
-    name: str
-    path: Path
-    params: dict[str, Any]
-    summary: dict | None
-    record: dict | None
-    order: float
-    setting: str = "?"  # the setting its config names (see _setting)
-    config: dict[str, Any] = field(default_factory=dict)  # its config.yaml, flattened
-    damage: str | None = None  # why its records cannot be counted (see record_damage)
-    duplicate_of: str | None = None  # the run it repeats (same resolved config and seeds), counted instead
-
-    @property
-    def status(self) -> str:
-        """The run's outcome as `outcome.read_outcome` reads it (finished, failed, diverged, ...);
-        "crashed" for a sweep run whose process failed without a final outcome, else "unfinished"
-        (with what its summary says: interrupted, lost, or that it cannot be read)."""
-        outcome = read_outcome(self.path)
-        if outcome is not None and outcome.final:
-            return outcome.value
-        if (self.record or {}).get("status") == "crashed":
-            return "crashed"
-        if outcome is None and (self.path / "summary.json").exists():
-            return ("unfinished (its summary.json cannot be read: the same fit command with --ckpt_path last "
-                    "writes it again)")
-        if outcome in (Outcome.INTERRUPTED, Outcome.LOST):
-            return f"unfinished ({outcome.value}: resume with --ckpt_path last)"
-        return "unfinished"
-
-
-@dataclass
-class Row:
-    params: dict[str, Any]
-    runs: list[Run] = field(default_factory=list)
-
-    def done(self) -> list[Run]:
-        return [r for r in self.runs if r.status in FINAL_STATES]
-
-
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out = {}
-        for k, v in tree.items():
-            out.update(flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
-def _read_config(run_dir: Path) -> dict[str, Any]:
-    cfg = run_dir / "config.yaml"
-    try:
-        return flatten(yaml.safe_load(cfg.read_text()) or {}) if cfg.exists() else {}
-    except (yaml.YAMLError, OSError):
-        return {}
-
-
-def find_runs(top: Path) -> dict[Path, dict | None]:
-    """Every run below `top` at any depth (a directory with a summary.json), and every run a local
-    sweep recorded in a `.sweep/` folder below `top` that never made one, with its record."""
-    found: dict[Path, dict | None] = {}
-    for summary in sorted(top.rglob("summary.json")):
-        if not any(part.startswith(".") for part in summary.relative_to(top).parts[:-1]):
-            found[summary.parent] = None
-    for meta in sorted(top.rglob(".sweep")):
-        for path in sorted(meta.glob("*.json")):
-            found[meta.parent / path.stem] = read_record(path)
-    return found
-
-
-def collect(top: Path) -> list[Run]:
-    """The runs below `top`, each labelled by its method, the setting where runs of several
-    settings are mixed, and its sweep parameters (`.sweep/<run>.json`) or else the options whose
-    values differ between the runs' config.yaml files."""
-    found = find_runs(top)
-    configs = {path: _read_config(path) for path in found}
-    keys = sorted({k for c in configs.values() for k in c})
-    varying = [k for k in keys if k not in BOOKKEEPING_KEYS and k != "model.class_path" and _varies(k, configs)]
-    settings = {path: _setting(configs[path]) for path in found}
-    mixed_settings = len(set(settings.values())) > 1
-    runs = []
-    for path, record in found.items():
-        summary = read_json(path / "summary.json")
-        own = record["params"] if record and "params" in record else {k: configs[path].get(k) for k in varying}
-        method = (summary or {}).get("method") or _method(configs[path])
-        params = {} if "model.class_path" in own else {"method": method}  # a method column, always one
-        if mixed_settings:
-            params["setting"] = settings[path]
-        params.update(own)
-        name = str(path.relative_to(top)) if path != top else path.name
-        index = (record or {}).get("index")
-        runs.append(Run(name=name, path=path, params=params, summary=summary, record=record,
-                        order=index if isinstance(index, int) else math.inf, setting=settings[path],
-                        config=configs[path]))
-    return sorted(runs, key=lambda r: (r.order, r.name))
-
-
-def _varies(key: str, configs: dict[Path, dict[str, Any]]) -> bool:
-    """Whether `key` tells runs apart. A method's own option (`model.init_args.rho`, which FedAvg's
-    config does not have) labels rows only where runs of one method differ in it: between methods
-    the method column says it, and a column of FedSOL's defaults beside FedAvg's blanks says nothing."""
-    values = [repr(c.get(key)) for c in configs.values()]
-    if len(set(values)) < 2:
-        return False
-    if not key.startswith("model.init_args.") or all(key in c for c in configs.values()):
-        return True
-    by_method: dict[str, set[str]] = {}
-    for config, value in zip(configs.values(), values, strict=True):
-        by_method.setdefault(_method(config), set()).add(value)
-    return any(len(v) > 1 for v in by_method.values())
-
-
-def _method(config: dict[str, Any]) -> str:
-    return str(config.get("model.class_path") or "").rpartition(".")[2] or "?"
-
-
-def _setting(config: dict[str, Any]) -> str:
-    """The setting a run's config names: its W&B group `<setting>/<method>` (recorded by fit)."""
-    group = config.get("trainer.logger.init_args.group")
-    return str(group).split("/")[0] if group else "?"
-
-
-def group(runs: list[Run]) -> list[Row]:
-    rows: dict[str, Row] = {}
-    for run in runs:
-        key_params = {k: v for k, v in run.params.items() if k not in SEED_KEYS}
-        key = repr(sorted((k, display_value(v)) for k, v in key_params.items()))
-        rows.setdefault(key, Row(params=key_params)).runs.append(run)
-    return list(rows.values())
-
-
-class DamagedRecords(Exception):
-    """Why a run's records cannot be counted (one phrase, shown after the run's name)."""
-
-
-def read_rounds(path: Path) -> list[dict[str, float]]:
-    """The rows of a metrics.csv as `results.py` writes them, or DamagedRecords: the writer ends
-    every line, gives every row the header's cells and writes only numbers, so a file that breaks
-    any of these was cut (a full disk, an interrupted copy) or edited, and a number read from it
-    may not be the one the run measured (`0.6519` cut to `0.65` still reads as a number)."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise DamagedRecords("metrics.csv is missing") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise DamagedRecords(f"metrics.csv cannot be read ({getattr(err, 'strerror', None) or err})") from None
-    if not text:
-        raise DamagedRecords("metrics.csv is empty")
-    if not text.endswith("\n"):
-        raise DamagedRecords("metrics.csv's last line is cut short (it has no line end)")
-    try:
-        header, *lines = list(csv.reader(io.StringIO(text)))
-    except csv.Error as err:
-        raise DamagedRecords(f"metrics.csv is not a CSV file ({err})") from None
-    if not header or header[0] != "round":
-        raise DamagedRecords("metrics.csv's first line is not its header (round, then the metrics)")
-    return [_parse_row(header, cells, number) for number, cells in enumerate(lines, start=2)]
-
-
-def _parse_row(header: list[str], cells: list[str], number: int) -> dict[str, float]:
-    if len(cells) != len(header):
-        raise DamagedRecords(f"metrics.csv line {number} has {len(cells)} cells, its header {len(header)}")
-    row: dict[str, Any] = {}
-    for column, cell in zip(header, cells, strict=True):
-        try:
-            if cell != "":
-                row[column] = float(cell)
-        except ValueError:
-            raise DamagedRecords(f"metrics.csv line {number}: {column} is {cell!r}, not a number") from None
-    if not float(row.get("round", 0.5)).is_integer():
-        raise DamagedRecords(f"metrics.csv line {number}: round is {cells[0]!r}, not a round number")
-    row["round"] = int(row["round"])
-    return row
-
-
-def record_damage(run: Run) -> str | None:
-    """Why the run's records cannot be counted, or None when metrics.csv is whole and says what
-    summary.json says: every round it records completed (1, 2, ...), its last row (`last`), and
-    the final and best accuracy with their rounds. Fields an older summary lacks are not checked."""
-    try:
-        rows = read_rounds(run.path / "metrics.csv")
-    except DamagedRecords as err:
-        return str(err)
-    summary = run.summary or {}
-    return (_short(summary, rows) or _last_disagrees(summary, rows) or _figure_disagrees(summary, rows, "final")
-            or _figure_disagrees(summary, rows, "best"))
-
-
-def _short(summary: dict, rows: list[dict[str, float]]) -> str | None:
-    completed = summary.get("rounds_completed")
-    if not isinstance(completed, int) or isinstance(completed, bool):
-        return None
-    held = [r["round"] for r in rows]
-    if held == list(range(1, completed + 1)):
-        return None
-    if len(held) < completed:
-        return (f"metrics.csv is short: it holds {len(held)} round{'s' * (len(held) != 1)}, summary.json "
-                f"records {completed} completed")
-    return f"metrics.csv's rounds ({', '.join(map(str, held))}) are not the 1 to {completed} summary.json records"
-
-
-def _equal(a: Any, b: Any) -> bool:
-    """Exactly equal (NaN equals NaN): both files are written from the same floats, each as its
-    shortest exact text, so a last digit lost is a difference (a tolerance would hide a cut)."""
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    return a == b
-
-
-def _show(v: Any) -> str:
-    return "nothing" if v is None else repr(v)
-
-
-def _last_disagrees(summary: dict, rows: list[dict[str, float]]) -> str | None:
-    last = summary.get("last")
-    if not isinstance(last, dict):
-        return None
-    row = {k: v for k, v in (rows[-1] if rows else {}).items() if k != "round"}
-    for key in sorted(set(last) | set(row)):
-        if not _equal(row.get(key), last.get(key)):
-            return (f"metrics.csv's last row has {key} {_show(row.get(key))}, summary.json's last round "
-                    f"{_show(last.get(key))}")
-    return None
-
-
-def _figure_disagrees(summary: dict, rows: list[dict[str, float]], which: str) -> str | None:
-    """summary.json's `final_acc` (the last finite accuracy) or `best_acc` (the first highest)
-    against the one metrics.csv gives, with their rounds."""
-    if f"{which}_acc" not in summary:
-        return None
-    key = accuracy_key(summary)
-    finite = [(r[key], r["round"]) for r in rows if key in r and math.isfinite(r[key])]
-    found = (finite[-1] if which == "final" else max(finite, key=lambda f: f[0])) if finite else (None, None)
-    recorded = (summary.get(f"{which}_acc"), summary.get(f"{which}_round", found[1]))
-    if _equal(recorded[0], found[0]) and recorded[1] == found[1]:
-        return None
-    return (f"summary.json's {which}_acc is {_show(recorded[0])} (round {recorded[1]}), metrics.csv's {key} "
-            f"gives {_show(found[0])} (round {found[1]})")
-
-
-def _resolved(run: Run) -> str | None:
-    """A run's config.yaml, seeds included, without the options that only say where it is stored:
-    equal for two runs of the same command (or a copied run directory); None without a config.
-    Its setting is part of it: runs the table shows in two settings are never one run's copies."""
-    kept = sorted((k, repr(v)) for k, v in run.config.items() if k not in BOOKKEEPING_KEYS)
-    return repr((run.setting, kept)) if kept else None
-
-
-def screen(runs: list[Run]) -> list[Run]:
-    """The runs a report counts, in their order: each run's `damage` and `duplicate_of` are set,
-    and those runs left out. Of runs with the same resolved config the first by path counts, so
-    the same directory gives the same table however its runs were listed."""
-    for run in runs:
-        run.damage = record_damage(run)
-    first: dict[str, Run] = {}
-    for run in sorted((r for r in runs if r.damage is None), key=lambda r: r.name):
-        key = _resolved(run)
-        if key is not None and key in first:
-            run.duplicate_of = first[key].name
-        elif key is not None:
-            first[key] = run
-    return [r for r in runs if r.damage is None and r.duplicate_of is None]
 
 
 def stats(values: list[float]) -> tuple[float, float] | None:
@@ -327,8 +78,11 @@ def stats(values: list[float]) -> tuple[float, float] | None:
     return float(arr.mean()), float(arr.std())
 
 
-def fmt(pair: tuple[float, float] | None) -> str:
-    return "—" if pair is None else f"{pair[0]:.2f} ± {pair[1]:.2f}"
+def fmt(pair: tuple[float, float] | None, n: int = 2) -> str:
+    """`mean ± std` over n values; one value as itself and n=1 (its std of 0 measured no spread)."""
+    if pair is None:
+        return "—"
+    return f"{pair[0]:.2f} ± {pair[1]:.2f}" if n > 1 else f"{pair[0]:.2f} (n=1)"
 
 
 def value(run: Run, metric: str, last_k: int = 10):
@@ -354,10 +108,10 @@ def metric_cell(row: Row, metric: str, last_k: int = 10) -> tuple[str, tuple[flo
     if kept and failed == len(kept) and pair is not None:
         text = f"{pair[0]:.2f} (Failed)"
     else:
-        text = fmt(pair)
+        text = fmt(pair, len(values))
         if failed:
             text += f" ({failed}/{len(done)} failed)"
-    if pair is not None and len(values) < len(kept):  # runs without this metric: the row's seed count is not its n
+    if pair is not None and 1 < len(values) < len(kept):  # runs without this metric: the row's seeds are not its n
         text += f" (n={len(values)})"
     if diverged:
         text += f" ({diverged}/{len(done)} diverged)"
@@ -381,6 +135,11 @@ class Table:
     curves: dict[str, list[dict[int, float]]] = field(default_factory=dict)  # row label -> its runs' curves
     accuracy: str = "global/test_acc"  # the runs' accuracy metric (clients/test_acc: model-heterogeneous)
     settings: list[str] = field(default_factory=list)  # the settings of the finished runs
+    labels: int = 0  # the first columns, which label the rows
+    constants: list[str] = field(default_factory=list)  # `key=value` of the labels every row shares
+    means: list[dict[int, float]] = field(default_factory=list)  # per row: column -> its accuracy's mean
+    groups: list[str] = field(default_factory=list)  # per row: its setting (the best of a column is per setting)
+    few_seeds: bool = False  # a --baseline interval over fewer than MIN_SEEDS seeds is in the table
 
 
 FIGURE_KEYS = {"final": "final_acc", "best": "best_acc", "last_k_mean": "last_k_mean"}
@@ -394,48 +153,74 @@ def build(top: Path, compare: dict | None = None, metric: str = "final", last_k:
         raise FLUserError(f"report {top}: no such directory")
     runs = collect(top)
     done = counted(top, runs)
+    fill_labels(done)
     rows = [row for row in group(done) if row.done()]
     label_keys = list(dict.fromkeys(k for row in rows for k in row.params))
     short = short_keys(label_keys)
-    personal = personal_keys(done)
-    extra = [m for m in dict.fromkeys(e.get("metric", (compare or {}).get("metric", "final_acc"))
-                                      for e in (compare or {}).get("entries", []))
-             if m not in ("final_acc", "best_acc") and m not in personal]
-    metrics = ["final_acc", "best_acc", *personal, *extra]
-    headers = [short[k] for k in label_keys] + ["final acc", "best acc", "seeds"]
-    headers += [k.removesuffix("_acc_mean") for k in personal] + extra
-    if metric == "last_k_mean":
-        metrics.append("last_k_mean")
-        headers.append(f"last-{last_k} mean acc")
+    shown, constant = split_labels(rows, label_keys)
+    metrics, columns = _metric_columns(done, compare, metric, last_k)
     base_rows = _baseline_rows(rows, baseline) if baseline else {}
     if baseline:
         label = {"final": "final acc", "best": "best acc"}.get(metric, f"last-{last_k} mean acc")
-        headers.append(f"{label} − {baseline} (95% CI)")
-    table = Table(headers=headers, rows=[], csv_rows=[], notes=_notes(runs), accuracy=accuracy_key(done[0].summary),
-                  settings=sorted({r.setting for r in done if r.setting != "?"}))
+        columns.append(f"{label} − {baseline} (95% CI)")
+    table = Table(headers=[short[k] for k in shown] + columns, rows=[], csv_rows=[], notes=_notes(runs),
+                  accuracy=accuracy_key(done[0].summary), labels=len(shown),
+                  settings=sorted({r.setting for r in done if r.setting != "?"}),
+                  constants=[f"{short[k]}={display_value(rows[0].params[k])}" for k in constant])
     for row in rows:
-        _add_row(table, row, label_keys, short, metrics, last_k)
+        _add_row(table, row, label_keys, shown, short, metrics, last_k)
         if baseline:
             _add_difference(table, row, base_rows.get(_setting_of(row)), FIGURE_KEYS[metric], last_k)
-        table.curves[", ".join(display_value(v) for v in row.params.values())] = [
-            curve(r.path, r.summary) for r in row.done() if r.status != "diverged"]
+        label = _legend(row, shown, short, table.curves)
+        table.curves[label] = [curve(r.path, r.summary) for r in row.done() if r.status != "diverged"]
     if compare is not None:
         _add_comparison(table, rows, short, compare)
     return table
 
 
-def counted(top: Path, runs: list[Run]) -> list[Run]:
-    """The finished runs whose records can be counted, each once (`screen`); one line if none."""
-    done = [r for r in runs if r.status in FINAL_STATES]
-    if not done:
-        raise FLUserError(f"report {top}: no finished runs below it (a run is a directory whose summary.json records "
-                          f"its outcome); {len(runs)} run director{'y' if len(runs) == 1 else 'ies'} found")
-    kept = screen(done)
-    if not kept:
-        damaged = "; ".join(f"{r.name}: {r.damage}" for r in done)
-        raise FLUserError(f"report {top}: the records of every finished run below it are damaged ({damaged}); "
-                          f"a run's fit command again with --ckpt_path last writes them again from its checkpoint")
-    return kept
+def _metric_columns(done: list[Run], compare: dict | None, metric: str, last_k: int) -> tuple[list[str], list[str]]:
+    """The metrics of the table's cells, and its columns after the labels: final and best
+    accuracy, seeds, the personalised accuracies, the paper table's other metrics, last-k mean."""
+    personal = personal_keys(done)
+    extra = [m for m in dict.fromkeys(e.get("metric", (compare or {}).get("metric", "final_acc"))
+                                      for e in (compare or {}).get("entries", []))
+             if m not in ("final_acc", "best_acc") and m not in personal]
+    metrics = ["final_acc", "best_acc", *personal, *extra]
+    columns = ["final acc", "best acc", "seeds", *(k.removesuffix("_acc_mean") for k in personal), *extra]
+    if metric == "last_k_mean":
+        metrics.append("last_k_mean")
+        columns.append(f"last-{last_k} mean acc")
+    return metrics, columns
+
+
+def split_labels(rows: list[Row], keys: list[str]) -> tuple[list[str], list[str]]:
+    """The labels shown as columns (the method, the setting, and what differs between rows) and
+    those every row shares (one line under the table). A swept method file whose name is its
+    method's (`config=fedavg` beside FedAvg) is neither: the method column says it."""
+    shown, constant = [], []
+    for key in keys:
+        values = {display_value(r.params[key]) if key in r.params else None for r in rows}
+        if key in METHOD_KEYS:
+            shown.append(key)
+        elif key == "config" and all(display_value(r.params.get("config")).lower() == _method_of(r).lower()
+                                     for r in rows):
+            continue
+        else:
+            (constant if len(values) == 1 else shown).append(key)
+    return shown, constant
+
+
+def _legend(row: Row, shown: list[str], short: dict[str, str], taken: dict) -> str:
+    """The row's line in the curves: what tells it apart, named (`FedSOL, rho=2`); a label the
+    row has no value for (FedAvg's rho) is left out unless another line would read the same."""
+    def part(key: str, everything: bool) -> str | None:
+        v = row.params.get(key)
+        if v is None and not everything:
+            return None
+        return display_value(v) if key in METHOD_KEYS else f"{short[key]}={display_value(v)}"
+
+    label = ", ".join(p for p in (part(k, False) for k in shown) if p is not None)
+    return label if label not in taken else ", ".join(part(k, True) for k in shown)
 
 
 def _method_of(row: Row) -> str:
@@ -484,22 +269,28 @@ def _add_difference(table: Table, row: Row, base: Row | None, metric: str, last_
         text = "—" if diff is None else diff.text()
     table.rows[-1].append(text)
     if diff is not None:
+        table.few_seeds = table.few_seeds or diff.few_seeds
         table.csv_rows[-1].update(diff_mean=round(diff.mean, 4), diff_low=_round(diff.low),
-                                  diff_high=_round(diff.high), diff_test=diff.test)
+                                  diff_high=_round(diff.high), diff_test=diff.test, diff_n=diff.n)
 
 
 def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
 
-def _add_row(table: Table, row: Row, label_keys: list[str], short: dict[str, str], metrics: list[str],
-             last_k: int) -> None:
-    labels = [display_value(row.params[k]) if k in row.params else "" for k in label_keys]
+def _add_row(table: Table, row: Row, label_keys: list[str], shown: list[str], short: dict[str, str],
+             metrics: list[str], last_k: int) -> None:
+    """The row's cells (the labels shown, then its metrics) and its CSV row (every label)."""
+    labels = {k: display_value(row.params[k]) if k in row.params else "" for k in label_keys}
     cells = {m: metric_cell(row, m, last_k) for m in metrics}
     n = len(row.done())
-    table.rows.append([*labels, cells["final_acc"][0], cells["best_acc"][0], str(n),
+    table.rows.append([*(labels[k] for k in shown), cells["final_acc"][0], cells["best_acc"][0], str(n),
                        *(cells[m][0] for m in metrics[2:])])
-    out: dict[str, Any] = {short[k]: v for k, v in zip(label_keys, labels, strict=True)}
+    # the accuracies, the best of which is bold in LaTeX (the seeds column sits after the first two metrics)
+    table.means.append({table.labels + i + (i >= 2): cells[m][1][0] for i, m in enumerate(metrics)
+                        if cells[m][1] is not None and ("acc" in m or m == "last_k_mean")})
+    table.groups.append(_setting_of(row))
+    out: dict[str, Any] = {short[k]: labels[k] for k in label_keys}
     out.update(seeds=n, diverged=sum(r.status == "diverged" for r in row.done()),
                failed=sum(r.status == "failed" for r in row.done()))
     for m in metrics:
@@ -537,73 +328,23 @@ def _num(pair, i):
     return None if pair is None else round(pair[i], 4)
 
 
-def published_text(entry: dict) -> str:
-    acc, std = entry.get("acc"), entry.get("std")
-    if entry.get("failed"):
-        return f"{acc:.2f} (Failed)" if acc is not None else "(Failed)"
-    if acc is None:
-        return "—"
-    return f"{acc:.2f}" + (f" ± {std:.2f}" if std is not None else "")
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-12)
-    except (TypeError, ValueError):
-        return display_value(a) == display_value(b)
-
-
 def match_row(rows: list[Row], entry: dict) -> int | None:
-    """The row whose parameters agree with every key of the published entry's `match`."""
+    """The first row that agrees with every key of the published entry's `match`: by its
+    parameters, or, for a key it has none of (a plain fit was not run by a sweep), by the config.yaml
+    of every run in it (`config: <file>`: the run's config holds what the file sets)."""
     want = entry.get("match") or {}
     for i, row in enumerate(rows):
-        if want and all(k in row.params and _same(row.params[k], v) for k, v in want.items()):
+        if want and all(_row_agrees(row, k, v) for k, v in want.items()):
             return i
     return None
 
 
-def load_compare(path: Path) -> dict:
-    """A paper table (configs/tables/<table>.yaml), checked: one line for a file that is not one."""
-    if not path.is_file():
-        raise FLUserError(f"--compare {path}: no such file")
-    expected = "expected a paper table with `published: {metric, entries: [{match: {...}, acc: <number>}, ...]}`"
-    try:
-        doc = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None) or type(err).__name__
-        raise FLUserError(f"--compare {path}: not valid YAML{where} ({problem}); {expected}") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise FLUserError(f"--compare {path}: cannot be read ({getattr(err, 'strerror', None) or err})") from None
-    doc = {} if doc is None else doc
-    if not isinstance(doc, dict):
-        raise FLUserError(f"--compare {path}: the file holds a {type(doc).__name__}, not a mapping; {expected}")
-    published = doc.get("published")
-    if not isinstance(published, dict) or not isinstance(published.get("entries"), list):
-        raise FLUserError(f"--compare {path}: {expected}")
-    if not isinstance(published.get("metric", "final_acc"), str):
-        raise FLUserError(f"--compare {path}: published.metric must be a metric name such as final_acc, got "
-                          f"{published['metric']!r}")
-    for i, entry in enumerate(published["entries"], start=1):
-        where = f"--compare {path}: published entry {i}"
-        if not isinstance(entry, dict):
-            raise FLUserError(f"{where} must be a mapping ({{match: {{...}}, acc: <number>}}), got {entry!r}")
-        if not isinstance(entry.get("match") or {}, dict):
-            raise FLUserError(f"{where}: match must map sweep parameters to values, got {entry['match']!r}")
-        for key in ("acc", "std"):
-            number = entry.get(key)
-            if number is not None and (isinstance(number, bool) or not isinstance(number, int | float)):
-                raise FLUserError(f"{where}: {key} must be a number (percent) or null, got {number!r}")
-        if not isinstance(entry.get("metric", ""), str):
-            raise FLUserError(f"{where}: metric must be a metric name such as final_acc, got {entry['metric']!r}")
-    return {**published, "title": f"{doc.get('paper', '')}: {doc.get('table', '')}".strip(": ")}
-
-
-def markdown(headers: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
+def _row_agrees(row: Row, key: str, want: Any) -> bool:
+    if key in row.params:
+        return same(row.params[key], want)
+    if key == "config":
+        return all(holds(r, str(want)) for r in row.done())
+    return all(key in r.config and same(r.config[key], want) for r in row.done())
 
 
 def curves_title(table: Table, top: Path) -> str:
@@ -614,11 +355,67 @@ def curves_title(table: Table, top: Path) -> str:
     return f"{what}: {table.accuracy}, mean ± std over seeds"
 
 
-def main(argv: list[str]) -> int:
+DAMAGED_HINT = ("(a damaged run's fit command, run again with --ckpt_path last, writes its records again from its "
+                "checkpoint)")
+
+
+def notes_text(table: Table) -> list[str]:
+    """The lines under the table after what every row shares: the flag of --baseline intervals
+    over too few seeds, and each run left out with why."""
+    lines = [FEW_SEEDS_NOTE] if table.few_seeds else []
+    lines += [f"- {name}: {note}" for name, note in table.notes]
+    if any(note.startswith("damaged") for _, note in table.notes):
+        lines.append(DAMAGED_HINT)
+    return lines
+
+
+def markdown_text(table: Table, compare: dict | None) -> str:
+    lines = [markdown(table.headers, table.rows)]
+    if table.constants:
+        lines.append("All rows: " + ", ".join(table.constants))
+    lines += notes_text(table)
+    if compare is not None:
+        lines += ["", f"Compared with {compare['title']}:", "", markdown(table.compare_headers, table.compare_rows)]
+    return "\n".join(lines)
+
+
+def paper_latex(table: Table) -> str:
+    """The table as a paper prints it (report.tex): the booktabs tabular, the best of each
+    accuracy column in bold, and what every row shares as a comment for the caption."""
+    text = latex(table.headers, table.rows, table.labels, best_cells(table.means, table.groups))
+    if table.constants:
+        text += "\n" + comment(escape("All rows: " + ", ".join(table.constants)))
+    return text
+
+
+def latex_text(table: Table, compare: dict | None) -> str:
+    """paper_latex, then everything else as LaTeX comments: the whole output can be pasted."""
+    lines = [paper_latex(table), *(comment(line) for line in notes_text(table))]
+    if compare is not None:
+        lines += [comment(f"Compared with {compare['title']}:"),
+                  latex(table.compare_headers, table.compare_rows, labels=2)]
+    return "\n".join(lines)
+
+
+def csv_text(table: Table) -> str:
+    # after the table's rows, a row per run left out: its name under `runs`, why under `note`
+    # (empty in the table's rows), so readers of the earlier columns read the table as before
+    csv_rows = table.csv_rows + [{"runs": name, "note": note} for name, note in table.notes]
+    text = io.StringIO()
+    writer = csv.DictWriter(text, fieldnames=list(dict.fromkeys(k for row in csv_rows for k in row)))
+    writer.writeheader()
+    writer.writerows(csv_rows)
+    return text.getvalue()
+
+
+def parser() -> OneLineArgumentParser:
     p = OneLineArgumentParser(prog="fl-lightning report", description=__doc__.split("\n\n")[0])
     p.add_argument("sweep_dir", help="a directory of runs at any depth, e.g. runs, runs/<setting> or runs/<sweep>")
     p.add_argument("--compare", default=None, help="a paper table, configs/tables/<table>.yaml")
     p.add_argument("--csv", default=None, help="where to write the CSV (default: <sweep_dir>/report.csv)")
+    p.add_argument("--format", choices=("markdown", "latex"), default="markdown",
+                   help="how the table is printed: markdown, or latex (a booktabs table for a paper, the best of "
+                        "each column in bold, also written beside the CSV as report.tex; the rest as %% comments)")
     p.add_argument("--metric", choices=FIGURES, default="final",
                    help="the figure --baseline compares: the final round's accuracy, the best round's, or the "
                         "mean of the last --last-k rounds (a column of its own)")
@@ -629,49 +426,46 @@ def main(argv: list[str]) -> int:
     p.add_argument("--curves", action="store_true",
                    help="also write curves.png beside the CSV: accuracy against rounds, mean ± std over seeds "
                         "(and, when W&B is online, a report run with the curves as a line plot)")
-    opts = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    opts = parser().parse_args(argv)
     if opts.last_k < 1:
         raise FLUserError(f"--last-k must be >= 1 (the number of last rounds to average), got {opts.last_k}")
     compare = load_compare(Path(opts.compare)) if opts.compare else None
     sweep_dir = Path(opts.sweep_dir)
     table = build(sweep_dir, compare, metric=opts.metric, last_k=opts.last_k, baseline=opts.baseline)
-    print(markdown(table.headers, table.rows))
-    for name, note in table.notes:
-        print(f"- {name}: {note}")
-    if any(note.startswith("damaged") for _, note in table.notes):
-        print("(a damaged run's fit command, run again with --ckpt_path last, writes its records again from its "
-              "checkpoint)")
-    if compare is not None:
-        print(f"\nCompared with {compare['title']}:\n")
-        print(markdown(table.compare_headers, table.compare_rows))
+    paper = opts.format == "latex"
+    print(latex_text(table, compare) if paper else markdown_text(table, compare))
+    say = comment if paper else str
     csv_path = Path(opts.csv) if opts.csv else sweep_dir / "report.csv"
-    # after the table's rows, a row per run left out: its name under `runs`, why under `note`
-    # (empty in the table's rows), so readers of the earlier columns read the table as before
-    csv_rows = table.csv_rows + [{"runs": name, "note": note} for name, note in table.notes]
-    fields = list(dict.fromkeys(k for row in csv_rows for k in row))
-    text = io.StringIO()
-    writer = csv.DictWriter(text, fieldnames=fields)
-    writer.writeheader()
-    writer.writerows(csv_rows)
-    try:
-        atomic_write_bytes(csv_path, text.getvalue().encode())
-    except OSError as err:  # a read-only or full disk: the table above stands; say so in one line
-        print(f"error: could not write {csv_path} ({err.strerror or err}); the table above is complete; "
-              f"give --csv <a writable path>", file=sys.stderr)
-        return 1
-    print(f"\n(CSV: {csv_path})")
-    if opts.curves:
-        png = csv_path.with_name("curves.png")
+    files = {"CSV": (csv_path, csv_text(table))}
+    if paper:
+        files["LaTeX"] = (csv_path.with_suffix(".tex"), paper_latex(table) + "\n")
+    for path, text in files.values():
         try:
-            curves_png(table.curves, png, curves_title(table, sweep_dir),
-                       ylabel=table.accuracy.replace("/", " ").replace("_", " "))
-        except OSError as err:
-            print(f"error: could not write {png} ({err.strerror or err}); give --csv <a writable path>",
-                  file=sys.stderr)
+            atomic_write_bytes(path, text.encode())
+        except OSError as err:  # a read-only or full disk: the table above stands; say so in one line
+            print(f"error: could not write {path} ({err.strerror or err}); the table above is complete; "
+                  f"give --csv <a writable path>", file=sys.stderr)
             return 1
-        print(f"(curves: {png})")
-        if wandb_online():
-            url = log_report_to_wandb(table.curves, png, curves_title(table, sweep_dir), table.headers, table.rows,
-                                      sweep_dir)
-            print(f"(W&B: {url or 'the report run under ' + str(sweep_dir / 'wandb')})")
+    written = "\n".join(f"({what}: {path})" for what, (path, _) in files.items())
+    print(comment(written) if paper else "\n" + written)
+    return _curves(table, sweep_dir, csv_path, say) if opts.curves else 0
+
+
+def _curves(table: Table, sweep_dir: Path, csv_path: Path, say) -> int:
+    png = csv_path.with_name("curves.png")
+    try:
+        curves_png(table.curves, png, curves_title(table, sweep_dir),
+                   ylabel=table.accuracy.replace("/", " ").replace("_", " "))
+    except OSError as err:
+        print(f"error: could not write {png} ({err.strerror or err}); give --csv <a writable path>", file=sys.stderr)
+        return 1
+    print(say(f"(curves: {png})"))
+    if wandb_online():
+        url = log_report_to_wandb(table.curves, png, curves_title(table, sweep_dir), table.headers, table.rows,
+                                  sweep_dir)
+        print(say(f"(W&B: {url or 'the report run under ' + str(sweep_dir / 'wandb')})"))
     return 0

@@ -96,7 +96,7 @@ def test_mean_std_over_seeds_and_the_papers_marks(sweep_dir):
     # final 50, 60, 70: mean 60, population std sqrt(200/3) = 8.165; best 55, 65, 80: 66.67 ± sqrt(316.67/3) = 10.27
     assert table["FedAvg"] == ["60.00 ± 8.16", "66.67 ± 10.27", "3", "90.00 ± 8.16"]
     # The diverged seed is out of the mean and marked.
-    assert table["SCAFFOLD"][:3] == ["40.00 ± 0.00 (1/2 diverged)", "45.00 ± 0.00 (1/2 diverged)", "2"]
+    assert table["SCAFFOLD"][:3] == ["40.00 (n=1) (1/2 diverged)", "45.00 (n=1) (1/2 diverged)", "2"]
     # Collapsed to chance in every seed: the papers' "10.00 (Failed)".
     assert table["FedNova"][0] == "10.00 (Failed)" and table["FedNova"][2] == "2"
     assert "FedSOL" not in table  # no finished run
@@ -183,8 +183,8 @@ def test_report_finds_runs_at_any_depth_with_method_and_setting_columns(tmp_path
     header, *body = table_cells(out)
     assert header[:3] == ["method", "setting", "final acc"]
     assert sorted(tuple(r[:4]) for r in body) == [("FedAvg", "cifar10", "30.00 ± 10.00", "30.00 ± 10.00"),
-                                                  ("FedAvg", "mnist5k", "50.00 ± 0.00", "50.00 ± 0.00"),
-                                                  ("FedSOL", "mnist5k", "70.00 ± 0.00", "70.00 ± 0.00")]
+                                                  ("FedAvg", "mnist5k", "50.00 (n=1)", "50.00 (n=1)"),
+                                                  ("FedSOL", "mnist5k", "70.00 (n=1)", "70.00 (n=1)")]
     # one setting: no setting column, a method column still
     code, out, _ = report(str(tmp_path / "runs" / "mnist5k"))
     header, *body = table_cells(out)
@@ -192,7 +192,7 @@ def test_report_finds_runs_at_any_depth_with_method_and_setting_columns(tmp_path
     # a run directory itself
     code, out, _ = report(str(tmp_path / "runs" / "mnist5k" / "fedsol"))
     header, *body = table_cells(out)
-    assert code == 0 and body == [["FedSOL", "70.00 ± 0.00", "70.00 ± 0.00", "1"]]
+    assert code == 0 and body == [["FedSOL", "70.00 (n=1)", "70.00 (n=1)", "1"]]
 
 
 @pytest.mark.parametrize("damage", ["garbage", "wrong types", "empty"])
@@ -251,7 +251,8 @@ def test_baseline_differences_with_paired_and_welch_intervals(tmp_path):
     va, vb = 200 / 2, (650 / 3) / 2 / 3  # var(ddof=1) / n
     df = (va + vb) ** 2 / (va**2 / 1 + vb**2 / 2)
     half = stats.t.ppf(0.975, df) * (va + vb) ** 0.5
-    assert cells["FedProx"] == f"+3.33 [{10 / 3 - half:+.2f}, {10 / 3 + half:+.2f}] (Welch t, n=2)"
+    assert cells["FedProx"] == (f"+3.33 [{10 / 3 - half:+.2f}, {10 / 3 + half:+.2f}] "
+                                "(Welch t, n=2: fewer than 3 seeds, not to be trusted)")
 
 
 def test_last_k_mean_and_the_curves(tmp_path):
@@ -301,7 +302,8 @@ def test_a_methods_own_options_do_not_become_columns(tmp_path):
     assert table.headers[:3] == ["method", "rho", "final acc"]
     assert sorted(tuple(r[:2]) for r in table.rows) == [("FedAvg", "None"), ("FedProx", "None"), ("FedSOL", "1"),
                                                          ("FedSOL", "2")]
-    assert sorted(table.curves) == ["FedAvg, None", "FedProx, None", "FedSOL, 1", "FedSOL, 2"]
+    # the legend names what varies and leaves out what a method does not have (was "FedAvg, None", "FedSOL, 2")
+    assert sorted(table.curves) == ["FedAvg", "FedProx", "FedSOL, rho=1", "FedSOL, rho=2"]
 
 
 def test_curves_go_to_a_wandb_report_run_when_online(tmp_path, monkeypatch):
