@@ -101,6 +101,12 @@ def _eval_result(correct: int, samples: int, loss_total: float,
     return EvalResult(correct / samples, loss_total / samples, correct, samples, class_accuracy)
 
 
+def correct_predictions(scores: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Which predictions are right: the argmax over classes (NaN scores included, as torchmetrics
+    counts them) equal to the label. Every accuracy of the project is a count of these."""
+    return scores.argmax(dim=1) == y
+
+
 class Tally:
     """The counts of every evaluation (accuracy, mean cross-entropy, per-class accuracy), with one
     NaN policy: the global model's (through `Evaluation`), a local model's, a client's own model's,
@@ -124,7 +130,7 @@ class Tally:
 
     def update(self, scores: torch.Tensor, y: torch.Tensor) -> None:
         scores = scores.float()
-        right = scores.argmax(dim=1) == y
+        right = correct_predictions(scores, y)
         first = not self._samples  # the first batch's counts are the counts (no adding to zeros)
         correct = right.sum()
         self._correct = correct if first else self._correct + correct

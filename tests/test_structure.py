@@ -95,3 +95,14 @@ def test_callbacks_that_read_the_round_report_must_come_after_the_round_callback
         trainer = SimpleNamespace(callbacks=[late, FederatedCallback()], is_global_zero=False)
         with pytest.raises(RuntimeError, match=f"{type(late).__name__} must come after FederatedCallback"):
             late.on_fit_start(trainer, None)
+
+
+def test_accuracy_is_counted_in_one_place():
+    """Every accuracy counts `evaluation.correct_predictions` (one NaN policy): no module but
+    evaluation.py compares an argmax with labels itself."""
+    import re
+
+    pattern = re.compile(r"argmax\((dim=)?(1|-1)\)\s*==")
+    offenders = [str(path.relative_to(PACKAGE)) for path in sorted(PACKAGE.rglob("*.py"))
+                 if path.name != "evaluation.py" and pattern.search(path.read_text())]
+    assert offenders == []

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from fl_lightning.evaluation import eval_mode
+from fl_lightning.evaluation import correct_predictions, eval_mode
 
 Params = dict[str, torch.Tensor]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -145,7 +145,7 @@ class SubsetObjective:
             scores = self._scores(params, x)
             loss += float(self.loss_fn(scores, y))
             if scores.dim() == 2:
-                correct += int((scores.argmax(1) == y).sum())
+                correct += int(correct_predictions(scores, y).sum())
         return loss / self.num_samples, correct / self.num_samples
 
     def shifted(self, *steps: tuple[float, Mapping[str, torch.Tensor]]) -> Params:

@@ -55,7 +55,7 @@ import torch
 from torch import nn
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.evaluation import as_model_input, model_dtype
+from fl_lightning.evaluation import as_model_input, correct_predictions, model_dtype
 from fl_lightning.methods.baselines.fedavg import FedAvg
 from fl_lightning.models import FLModel
 
@@ -190,7 +190,7 @@ class KNNPer(FedAvg):
         logits = model.head(keys[held])
         best, best_correct = self.lam_grid[0], -math.inf
         for lam in self.lam_grid:
-            correct = int((interpolate(p_knn, logits, lam).argmax(1) == labels[held]).sum())
+            correct = int(correct_predictions(interpolate(p_knn, logits, lam), labels[held]).sum())
             if correct > best_correct:
                 best, best_correct = lam, correct
         return best
