@@ -460,6 +460,19 @@ class FederatedMethod(L.LightningModule):
         base = Path(path).parent / "client_states" if path else None
         self.client_states.load_checkpoint_state(checkpoint.get("fl_client_states", {"states": {}}), base=base)
 
+    def publish_evaluation(self, values: dict[str, float | torch.Tensor], progress_key: str) -> None:
+        """An evaluation's values, the same on every process: in fit published with the round's
+        other values (`log_round_metrics`), in validate and test as Lightning's returned and
+        printed results. The one way every family logs its evaluation."""
+        trainer = self.trainer
+        if trainer.state.fn != "fit":
+            # the values are the same on every process already; Lightning's mean over them
+            # (sync_dist) changes nothing and keeps its distributed-logging warning quiet
+            for key, value in values.items():
+                self.log(key, value, on_epoch=True, prog_bar=key == progress_key, sync_dist=True)
+        elif not trainer.sanity_checking:
+            log_round_metrics(trainer, values, progress_bar=(progress_key,))
+
 
 @abstract_base
 class SharedModelMethod(FederatedMethod):
@@ -680,18 +693,9 @@ class SharedModelMethod(FederatedMethod):
         names in fit's validation, `validate` and `test`: they all evaluate the global model on the
         global test set. In fit, the round's values are published as the round's other values are
         (`log_round_metrics`, which says why not through Lightning's `self.log`)."""
-        trainer = self.trainer
-        acc, loss = metrics.compute(trainer.strategy)
+        acc, loss = metrics.compute(self.trainer.strategy)
         metrics.reset()
-        values = {"global/test_loss": loss, "global/test_acc": acc}
-        if trainer.state.fn != "fit":
-            # validate/test: Lightning's returned and printed results. The values are the same on
-            # every process already; its mean over them (sync_dist) changes nothing and keeps its
-            # distributed-logging warning quiet
-            for key, value in values.items():
-                self.log(key, value, on_epoch=True, prog_bar=key == "global/test_acc", sync_dist=True)
-        elif not trainer.sanity_checking:
-            log_round_metrics(trainer, values, progress_bar=("global/test_acc",))
+        self.publish_evaluation({"global/test_loss": loss, "global/test_acc": acc}, "global/test_acc")
 
     def evaluate(self, loader, per_class: bool = False) -> EvalResult:
         """The current `self.model` (with this method's class scores) on a loader."""

@@ -329,9 +329,9 @@ class HeteroMethod(FederatedMethod):
 
     def _log_client_eval(self) -> None:
         acc, loss, per_client = self.evaluate_clients()
-        self.log_dict({"clients/test_acc": acc, "clients/test_loss": loss,
-                       "clients/test_acc_client_std": float(torch.tensor(per_client).std(unbiased=False))},
-                      on_step=False, on_epoch=True, batch_size=1)
+        self.publish_evaluation({"clients/test_acc": acc, "clients/test_loss": loss,
+                                 "clients/test_acc_client_std": float(torch.tensor(per_client).std(unbiased=False))},
+                                "clients/test_acc")
 
     def on_validation_epoch_end(self) -> None:
         if not self.trainer.sanity_checking:
