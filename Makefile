@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo demo-fedavg table-demo test lint bench clean
+.PHONY: install demo demo-fedavg table-demo test lint docs bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,8 +35,12 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check fl_lightning tests benchmarks
 
+# The documentation site (mkdocs.yml, docs/) into site/; --strict fails on a broken link or anchor.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 bench: $(STAMP)
 	$(BIN)/python benchmarks/round_time.py
 
 clean:
-	rm -rf runs lightning_logs .pytest_cache
+	rm -rf runs lightning_logs .pytest_cache site
