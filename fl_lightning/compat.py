@@ -4,6 +4,7 @@ a test in tests/test_compat.py that fails if the internal changes)."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import warnings
 from typing import Any
@@ -68,7 +69,7 @@ def drop_sigterm_notifier(trainer) -> None:
     validate or test starts) by sending SIGTERM to the processes its launcher started and then
     broadcasting a flag from rank 0, inside the signal handler: a collective the other processes
     are not in (they wait in the round's gather), so both wait for the collective timeout (30
-    minutes). The CLI handles the signal itself (lightning_cli.py: the run ends with exit 143, and
+    minutes). The CLI handles the signal itself (run_lifecycle.py: the run ends with exit 143, and
     rank 0 stops the processes it started), so Lightning's notifier does nothing here."""
     connector = getattr(trainer, "_signal_connector", None)
     if connector is None or not hasattr(connector, "_sigterm_notifier_fn"):
@@ -82,7 +83,7 @@ def disarm_child_process_observer() -> None:
     rank 0) and, as soon as one has exited with a non-zero code, SIGKILLs every process, rank 0
     included: a process that ended the way the run decided (exit 3 after a divergence, 130 after
     Ctrl-C) would cut rank 0 short before it records the outcome and prints its line. The CLI's
-    own watchdog (lightning_cli.LostProcessWatchdog) takes over: it ends the run only when a
+    own watchdog (run_lifecycle.LostProcessWatchdog) takes over: it ends the run only when a
     process died and rank 0 has not ended it itself within a grace period."""
     import threading
 
@@ -196,6 +197,55 @@ def loss_scaler(trainer) -> Any:
     `manual_backward` and `LightningOptimizer.step`; steps past those use it directly."""
     plugin = getattr(trainer, "precision_plugin", None) if trainer is not None else None
     return getattr(plugin, "scaler", None)
+
+
+def overrides_lightning_cli_internal(method):
+    """Marks a LightningCLI subclass's override of one of LightningCLI's internal methods (a name
+    starting with `_`, outside its documented hooks), kept because no public hook can replace it:
+    fails at import, naming this file, when LightningCLI no longer has a method of that name with
+    the same parameters (tests/test_compat.py checks that LightningCLI still calls it where the
+    override expects)."""
+    from lightning.pytorch.cli import LightningCLI
+
+    theirs = getattr(LightningCLI, method.__name__, None)
+    if not callable(theirs) or list(inspect.signature(theirs).parameters) != list(inspect.signature(method).parameters):
+        raise RuntimeError(f"LightningCLI has no {method.__name__}{inspect.signature(method)} any more: "
+                           f"update fl_lightning/compat.py")
+    return method
+
+
+def cli_parser_parts(cli) -> tuple:
+    """What `LightningCLI.setup_parser` builds with subcommands: the main parser, each subcommand's
+    Trainer-method arguments (`_subcommand_method_arguments`, read when the subcommand runs) and
+    each subcommand's parser (`_subcommand_parsers`)."""
+    return cli.parser, cli._subcommand_method_arguments, cli._subcommand_parsers
+
+
+def set_cli_parser_parts(cli, parts: tuple) -> None:
+    """Hands a LightningCLI the parts `cli_parser_parts` took from another (built earlier) in place
+    of building them in its `setup_parser`."""
+    cli.parser, cli._subcommand_method_arguments, cli._subcommand_parsers = parts
+
+
+def cli_subcommand_parsers(cli) -> dict:
+    """subcommand -> its parser, of a LightningCLI (`_subcommand_parsers`); empty before its
+    `setup_parser` ran (or for None)."""
+    return getattr(cli, "_subcommand_parsers", None) or {}
+
+
+def cli_subcommand_parser(cli, subcommand: str | None):
+    """The parser of one subcommand of a LightningCLI (its main parser for None), as
+    `LightningCLI._parser` picks it."""
+    return cli.parser if subcommand is None else cli._subcommand_parsers[subcommand]
+
+
+def add_persistent_callbacks(cli, callbacks: list) -> None:
+    """Callbacks every Trainer this LightningCLI builds gets, not configurable (its documented
+    `trainer_defaults["callbacks"]`, here set once the config is known). Lightning appends them
+    after the user's `trainer.callbacks` and the callbacks of the CLI's own options
+    (`--federation.*`: `LightningCLI._instantiate_trainer`), the order the results callback
+    needs (it reads the round callback's report in the same hooks)."""
+    cli.trainer_defaults = {**cli.trainer_defaults, "callbacks": list(callbacks)}
 
 
 def import_object(path: str) -> Any:

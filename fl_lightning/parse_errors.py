@@ -4,7 +4,7 @@ jsonargparse reports a bad value over a dozen indented lines (a Union's subtypes
 error, the value's Python type), and reports nested class arguments (`model.init_args.*`) inside
 its `model` key's report. `summarise` reads that report and says in one line what is wrong and
 what would be right: the full option name, the value given, and the values or type it accepts (a
-did-you-mean for a misspelt option). The CLI's one-line error (`lightning_cli.one_line_error`)
+did-you-mean for a misspelt option). The CLI's one-line error (`run_lifecycle.one_line_error`)
 calls it; anything it does not recognise still comes out as one line, the report's first two.
 """
 

@@ -9,9 +9,9 @@ from jsonargparse import ArgumentParser
 
 from fl_lightning import methods
 from fl_lightning.cli import main
+from fl_lightning.cli_parsing import method_names
 from fl_lightning.data.datamodule import FederatedDataModule
 from fl_lightning.federation import FederatedCallback
-from fl_lightning.lightning_cli import _method_names
 from fl_lightning.personalization import PersonalizationCallback
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,7 +150,7 @@ def _options(cls) -> dict[str, str]:
             if a.dest.startswith("x.") and a.dest.count(".") == 1 and a.dest != "x.data_spec"}
 
 
-HELPED = [getattr(methods, n) for n in _method_names()] + [FederatedDataModule, FederatedCallback,
+HELPED = [getattr(methods, n) for n in method_names()] + [FederatedDataModule, FederatedCallback,
                                                            PersonalizationCallback]
 
 
@@ -165,7 +165,7 @@ def test_every_option_has_a_one_line_help(cls):
 
 
 def test_only_concrete_methods_are_offered():
-    names = _method_names()
+    names = method_names()
     assert {"FedAvg", "FedSOL", "FedORGP", "KNNPer", "SphereFed"} <= set(names)
     for base in ("FederatedMethod", "HeteroMethod", "KNNPerModel"):
         assert base not in names

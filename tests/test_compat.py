@@ -346,3 +346,102 @@ def test_a_fits_local_steps_pay_no_profiler_annotation_unless_a_profiler_records
         compat.release_gradients(opt)
         compat.step_optimizer(opt)
     assert "Optimizer.zero_grad#SGD.zero_grad" in entered and "Optimizer.step#SGD.step" in entered
+
+
+def test_lightning_cli_still_calls_the_internal_fl_lightning_overrides_between_parsing_and_instantiation():
+    """FLCLI overrides LightningCLI._parse_ckpt_path (Lightning's would load the checkpoint's
+    hyperparameters over the requested ones): it must still be called right after parsing, before
+    anything is instantiated, and the marker must refuse an override LightningCLI no longer has."""
+    from lightning.pytorch.cli import LightningCLI
+
+    from fl_lightning.cli_parsing import FLCLIParsing
+
+    source = inspect.getsource(LightningCLI.__init__)
+    calls = [source.index(call) for call in ("self.parse_arguments(", "self._parse_ckpt_path()",
+                                             "self.before_instantiate_classes()")]
+    assert calls == sorted(calls)
+    assert FLCLIParsing._parse_ckpt_path is not LightningCLI._parse_ckpt_path
+
+    def _parse_ckpt_path(self):
+        pass
+
+    def _parse_ckpt_path_with(self, path):
+        pass
+
+    def _no_such_internal(self):
+        pass
+
+    assert compat.overrides_lightning_cli_internal(_parse_ckpt_path) is _parse_ckpt_path
+    _parse_ckpt_path_with.__name__ = "_parse_ckpt_path"
+    for changed in (_parse_ckpt_path_with, _no_such_internal):
+        with pytest.raises(RuntimeError, match="update fl_lightning/compat.py"):
+            compat.overrides_lightning_cli_internal(changed)
+
+
+class _PartsBuilt(BaseException):
+    pass
+
+
+def test_a_lightning_cli_runs_a_subcommand_with_parser_parts_another_built(tmp_path):
+    """What `setup_parser` builds (the parser, each subcommand's parser and Trainer-method
+    arguments) taken from one LightningCLI and handed to another (a sweep worker's prebuilt
+    parser): the second parses and runs fit with them, building none of its own."""
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    class Probe(LightningCLI):
+        def parse_arguments(self, parser, args):
+            raise _PartsBuilt(self, compat.cli_parser_parts(self))
+
+    with pytest.raises(_PartsBuilt) as built:
+        Probe(BoringModel, args=["fit"])
+    probe, parts = built.value.args
+    parser, method_arguments, parsers = parts
+    assert parser is probe.parser and set(parsers) == {"fit", "validate", "test", "predict"}
+    assert "ckpt_path" in method_arguments["fit"]
+    assert compat.cli_subcommand_parsers(probe) is parsers and compat.cli_subcommand_parsers(None) == {}
+    assert compat.cli_subcommand_parser(probe, "fit") is parsers["fit"] is probe._parser("fit")
+    assert compat.cli_subcommand_parser(probe, None) is parser is probe._parser(None)
+
+    class Reuse(LightningCLI):
+        def setup_parser(self, add_subcommands, main_kwargs, subparser_kwargs):
+            compat.set_cli_parser_parts(self, parts)
+
+    cli = Reuse(BoringModel, args=["fit", "--trainer.fast_dev_run", "1", "--trainer.logger", "false",
+                                   "--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary",
+                                   "false", f"--trainer.default_root_dir={tmp_path}"])
+    assert cli.parser is parser and cli.trainer.state.finished and cli.trainer.global_step == 1
+
+
+class _Configured(L.Callback):
+    pass
+
+
+class _Persistent(L.Callback):
+    pass
+
+
+def test_persistent_callbacks_come_after_the_users_and_the_cli_options_callbacks():
+    """The CLI's own callbacks (round checkpoint, results, watchdog) go into every Trainer after
+    the user's trainer.callbacks and the callbacks of the CLI's options (the results callback
+    reads the round callback's report in the same hooks)."""
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    defaults = {"logger": False}
+
+    class CLI(LightningCLI):
+        def add_arguments_to_parser(self, parser):
+            parser.add_lightning_class_args(_Configured, "configured")
+
+        def instantiate_trainer(self, **kwargs):
+            compat.add_persistent_callbacks(self, [_Persistent()])
+            return super().instantiate_trainer(**kwargs)
+
+    cli = CLI(BoringModel, run=False, trainer_defaults=defaults,
+              args=["--trainer.callbacks+=lightning.pytorch.callbacks.LearningRateMonitor",
+                    "--trainer.enable_progress_bar=false"])
+    kinds = [type(c) for c in cli.trainer.callbacks]
+    assert kinds.index(LearningRateMonitor) < kinds.index(_Configured) < kinds.index(_Persistent)
+    assert defaults == {"logger": False}  # the defaults given stay as they were, for the next CLI

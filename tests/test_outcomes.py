@@ -695,16 +695,16 @@ def test_a_launched_process_waits_for_its_dying_parent_before_it_decides_who_spe
     exit to complete before deciding that rank 0 will speak."""
     import time
 
-    from fl_lightning import lightning_cli
+    from fl_lightning import run_lifecycle
 
     monkeypatch.setenv("LOCAL_RANK", "1")
     dies_at = time.monotonic() + 0.3
-    monkeypatch.setattr(lightning_cli.os, "getppid",
-                        lambda: lightning_cli._INITIAL_PARENT if time.monotonic() < dies_at else 1)
-    assert not lightning_cli._parent_gone()  # the moment the collective failed
-    assert lightning_cli._parent_gone(wait=lightning_cli._PARENT_EXIT_SECONDS)
-    monkeypatch.setattr(lightning_cli.os, "getppid", lambda: lightning_cli._INITIAL_PARENT)
+    monkeypatch.setattr(run_lifecycle.os, "getppid",
+                        lambda: run_lifecycle._INITIAL_PARENT if time.monotonic() < dies_at else 1)
+    assert not run_lifecycle._parent_gone()  # the moment the collective failed
+    assert run_lifecycle._parent_gone(wait=run_lifecycle._PARENT_EXIT_SECONDS)
+    monkeypatch.setattr(run_lifecycle.os, "getppid", lambda: run_lifecycle._INITIAL_PARENT)
     started = time.monotonic()
-    assert not lightning_cli._parent_gone(wait=0.2) and time.monotonic() - started >= 0.2  # alive: no
+    assert not run_lifecycle._parent_gone(wait=0.2) and time.monotonic() - started >= 0.2  # alive: no
     monkeypatch.setenv("LOCAL_RANK", "0")
-    assert not lightning_cli._parent_gone(wait=5)  # rank 0 has no such parent, and does not wait
+    assert not run_lifecycle._parent_gone(wait=5)  # rank 0 has no such parent, and does not wait

@@ -277,8 +277,8 @@ def test_wandb_rows_are_on_disk_when_the_run_is_finished(tmp_path, monkeypatch):
     2 of 3 small offline runs were still a 7-byte file right after finish)."""
     import wandb
 
-    from fl_lightning.lightning_cli import finish_wandb
     from fl_lightning.loggers import read_offline_history
+    from fl_lightning.wandb_run import finish_wandb
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     for attempt in range(5):
@@ -293,8 +293,8 @@ def test_wandb_rows_are_on_disk_when_the_run_is_finished(tmp_path, monkeypatch):
 def test_a_damaged_wandb_file_is_an_error_not_missing_rows(tmp_path):
     import wandb
 
-    from fl_lightning.lightning_cli import finish_wandb
     from fl_lightning.loggers import IncompleteRunFile, read_offline_history
+    from fl_lightning.wandb_run import finish_wandb
 
     run = wandb.init(project="t", dir=str(tmp_path), mode="offline")
     run.log({"a": 1})

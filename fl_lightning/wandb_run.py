@@ -1,0 +1,98 @@
+"""The W&B run of one `fl-lightning fit|validate|test|analyze`: where its files go, what it is
+called and grouped with, the round it logs as, and how it is closed.
+
+A fit's W&B run lives in its run directory (`<trainer.default_root_dir>/wandb`). validate, test
+and analyze of a checkpoint log into a W&B run of their own, in the fit's group, kept under
+`<run dir>/posthoc/` so that the fit's files stay as the fit left them. The run is closed when the
+command ends, with the command's exit code, and its files are complete on disk when the command
+returns (an offline run is then ready for `wandb sync`). The logger itself (offline unless logged
+in, one history row per round) is fl_lightning/loggers.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from fl_lightning.loggers import FLWandbLogger, describe_wandb_run
+from fl_lightning.outcome import DISK_ERRNOS
+
+__all__ = ["configure_wandb_logger", "describe_wandb_run", "finish_wandb", "log_as_checkpoint_round",
+           "post_run_wandb_run", "sync_hint"]
+
+
+def configure_wandb_logger(logger, command: str, root: str) -> None:
+    """Completes the configured logger (`trainer.logger`, as parsed) of a `command` whose run
+    directory is `root`: a W&B logger left without a save_dir writes into the run directory, and
+    validate/test/analyze get a W&B run of their own (`post_run_wandb_run`)."""
+    init = getattr(logger, "init_args", None)
+    if init is None:
+        return
+    if "save_dir" in init and init.save_dir is None:
+        init.save_dir = root
+    if command != "fit":
+        post_run_wandb_run(init, command, root)
+
+
+def post_run_wandb_run(init, command: str, root: str) -> None:
+    """validate, test and analyze log into a W&B run of their own: job_type the command, in the
+    fit's group, named `<fit's name>/<command>`, and kept under `<run dir>/posthoc/` so that the
+    fit's W&B files and its `latest-run` link stay as the fit left them. Never the fit's id: an
+    offline run cannot be resumed from another process, and a reused id would overwrite it."""
+    if "save_dir" in init and (init.save_dir is None or Path(init.save_dir) == Path(root)):
+        init.save_dir = str(Path(root) / "posthoc")
+    for key in ("id", "version"):
+        if key in init:
+            init[key] = None
+    if "job_type" in init and not init.job_type:
+        init.job_type = command
+    if "group" in init and not init.group and init.get("name"):
+        init.group = init.name
+    if init.get("name"):
+        init.name = f"{init.name}/{command}"
+
+
+def log_as_checkpoint_round(loggers, rounds: int) -> None:
+    """validate/test/analyze of a checkpoint log their numbers at the round the checkpoint holds
+    (Lightning's epoch counter is 0 when a checkpoint is only evaluated)."""
+    for logger in loggers:
+        if isinstance(logger, FLWandbLogger):
+            logger.checkpoint_round = rounds
+
+
+def sync_hint() -> str:
+    """"; upload to W&B with: wandb sync <dir>" while an offline W&B run is open, else ""."""
+    wandb = sys.modules.get("wandb")
+    run = wandb.run if wandb is not None else None
+    if run is not None and run.settings.mode in ("offline", "dryrun"):
+        return f"; upload to W&B with: wandb sync {Path(run.dir).parent}"
+    return ""
+
+
+def finish_wandb(exit_code: int) -> OSError | None:
+    """Close the W&B run so its summary and history are complete on disk (offline runs are then
+    ready for `wandb sync`); a diverged or failed run is closed with a non-zero exit code.
+
+    Returns the disk's refusal when W&B could not write its files (a full disk: its log file's
+    last flush fails inside finish()), naming the W&B run's directory, instead of raising it:
+    a run that an error already ended keeps that error as its outcome and its one line, and only
+    a run that ended well makes the refusal its outcome (`FLCLI.after_fit`)."""
+    wandb = sys.modules.get("wandb")
+    if wandb is None or wandb.run is None:
+        return None
+    where, refused = str(Path(wandb.run.dir).parent), None
+    for close in (lambda: wandb.finish(exit_code=exit_code),
+                  # finish() can return before W&B's core process has written the run's last block
+                  # (a small offline run's file is then just its header); teardown waits for it, so
+                  # the run's files are complete when the command returns (for `wandb sync`, sweeps,
+                  # tests). After a refused finish it still stops W&B's service.
+                  wandb.teardown):
+        try:
+            close()
+        except OSError as err:
+            if err.errno not in DISK_ERRNOS:
+                raise
+            # a new error, not W&B's: its chain (a log file's flush, failing again on close)
+            # names no file, and the first error of a chain is the one a line reports
+            refused = refused or OSError(err.errno, err.strerror, err.filename or where)
+    return refused
