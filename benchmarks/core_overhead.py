@@ -213,7 +213,7 @@ USER_RUN = ["--config", "configs/settings/mnist5k.yaml", "--config", "configs/me
 USER_RUN_PLAIN = dict(MNIST, partition="iid", batch_size=10)
 PARTS = {  # where the project's round goes: (class, method) timed as the part it names
     "client start (seed, global weights)": ("fl_lightning.federation:FederatedCallback", "on_train_batch_start"),
-    "local-model evaluation": ("fl_lightning.methods.base:SharedModelMethod", "local_model_stats"),
+    "local-model evaluation": ("fl_lightning.methods.shared_model:SharedModelMethod", "local_model_stats"),
     "server step, round log, W&B row": ("fl_lightning.federation:FederatedCallback", "_finish_round"),
     "validation (Lightning's loop)": ("lightning.pytorch.loops.evaluation_loop:_EvaluationLoop", "run"),
     "divergence statistics, heatmap": ("fl_lightning.analysis.callback:AnalysisCallback", "on_train_epoch_end"),
@@ -267,7 +267,7 @@ class _UserRunClock:
     def __enter__(self):
         import importlib
 
-        from fl_lightning.methods.base import SharedModelMethod
+        from fl_lightning.methods.shared_model import SharedModelMethod
 
         def round_start(callback, trainer, module):
             if self.starts:

@@ -9,7 +9,8 @@ import importlib
 import inspect
 import pkgutil
 
-from fl_lightning.methods.base import FederatedMethod, SharedModelMethod
+from fl_lightning.methods.base import FederatedMethod
+from fl_lightning.methods.shared_model import SharedModelMethod
 
 
 def _method_classes() -> dict[str, type]:

@@ -3,7 +3,7 @@
 Every hook of `SharedModelMethod` is already FedAvg's; this class exists so configs and logs name it.
 """
 
-from fl_lightning.methods.base import SharedModelMethod
+from fl_lightning.methods.shared_model import SharedModelMethod
 
 
 class FedAvg(SharedModelMethod):

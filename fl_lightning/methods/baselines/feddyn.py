@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import LossContext, SharedModelMethod
+from fl_lightning.methods.base import LossContext
+from fl_lightning.methods.shared_model import SharedModelMethod
 from fl_lightning.state import trainable_zeros
 from fl_lightning.uploads import ClientUpload, RoundUploads, ServerUpdate
 

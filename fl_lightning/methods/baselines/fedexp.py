@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import SharedModelMethod
+from fl_lightning.methods.shared_model import SharedModelMethod
 from fl_lightning.uploads import RoundUploads, ServerUpdate
 
 

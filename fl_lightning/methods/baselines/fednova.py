@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from fl_lightning.methods.base import SharedModelMethod
 from fl_lightning.methods.baselines.local_steps import effective_steps
+from fl_lightning.methods.shared_model import SharedModelMethod
 from fl_lightning.uploads import WEIGHTS, ClientUpload, RoundUploads, ServerUpdate
 
 LOCAL_STEPS = "local_steps"  # the upload's group holding tau_i ("tau"), the client's local steps

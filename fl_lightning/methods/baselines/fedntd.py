@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import LossContext, SharedModelMethod
+from fl_lightning.methods.base import LossContext
+from fl_lightning.methods.shared_model import SharedModelMethod
 
 
 def not_true_logits(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import LossContext, SharedModelMethod
+from fl_lightning.methods.base import LossContext
+from fl_lightning.methods.shared_model import SharedModelMethod
 
 
 class FedProx(SharedModelMethod):

@@ -20,7 +20,7 @@ from torch.func import functional_call
 
 from fl_lightning import loss_scaling
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import SharedModelMethod
+from fl_lightning.methods.shared_model import SharedModelMethod
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:

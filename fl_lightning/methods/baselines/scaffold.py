@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from fl_lightning.methods.base import SharedModelMethod
 from fl_lightning.methods.baselines.local_steps import effective_steps
+from fl_lightning.methods.shared_model import SharedModelMethod
 from fl_lightning.state import trainable_zeros
 from fl_lightning.uploads import ClientUpload, RoundUploads, ServerUpdate
 

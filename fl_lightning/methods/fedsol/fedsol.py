@@ -48,7 +48,8 @@ from torch.func import functional_call
 
 from fl_lightning import loss_scaling
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import SharedModelMethod, abstract_base
+from fl_lightning.methods.base import abstract_base
+from fl_lightning.methods.shared_model import SharedModelMethod
 
 Scope = Literal["head", "body", "all"]
 

@@ -30,7 +30,8 @@ from torch import nn
 
 from fl_lightning.errors import FLUserError
 from fl_lightning.evaluation import as_model_input, model_dtype
-from fl_lightning.methods.base import LossContext, SharedModelMethod, abstract_base
+from fl_lightning.methods.base import LossContext, abstract_base
+from fl_lightning.methods.shared_model import SharedModelMethod
 from fl_lightning.models import FLModel, build_model
 from fl_lightning.uploads import ClientUpload
 

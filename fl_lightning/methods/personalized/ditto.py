@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from fl_lightning import compat, loss_scaling
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import SharedModelMethod
+from fl_lightning.methods.shared_model import SharedModelMethod
 from fl_lightning.models import FLModel
 from fl_lightning.uploads import ClientUpload
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch import nn
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import SharedModelMethod
+from fl_lightning.methods.shared_model import SharedModelMethod
 
 
 class FedBN(SharedModelMethod):

@@ -68,7 +68,8 @@ from __future__ import annotations
 import torch
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import SharedModelMethod, abstract_base
+from fl_lightning.methods.base import abstract_base
+from fl_lightning.methods.shared_model import SharedModelMethod
 from fl_lightning.uploads import ClientUpload
 
 

@@ -56,7 +56,7 @@ from torch.func import functional_call
 from fl_lightning import compat, loss_scaling
 from fl_lightning.errors import FLUserError
 from fl_lightning.evaluation import as_model_input, model_dtype
-from fl_lightning.methods.base import SharedModelMethod
+from fl_lightning.methods.shared_model import SharedModelMethod
 from fl_lightning.models import FLModel
 
 VARIANTS = ("fo", "hf")

@@ -10,7 +10,7 @@ as in FedAvg. With beta = 0 it is FedAvg. u is server state.
 from __future__ import annotations
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import SharedModelMethod
+from fl_lightning.methods.shared_model import SharedModelMethod
 from fl_lightning.state import trainable_zeros
 from fl_lightning.uploads import RoundUploads, ServerUpdate
 
