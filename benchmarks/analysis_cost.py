@@ -81,6 +81,13 @@ class InterleavedCost(L.Callback):
               + ", ".join(f"{k} {v}" for k, v in info.items() if k != "seconds") + f" [{load()}]", flush=True)
 
 
+def _top5(objective, max_hvps: int, tol: float) -> dict:
+    s = hessian_spectrum(objective, k=5, max_iter=max_hvps, tol=tol, layerwise=False)
+    return {"hvps": s.lanczos_hvps, "lambda_1": round(s.top[0], 4),
+            "lambda_1/lambda_5": round(s.top[0] / s.top[4], 3),
+            "max_rel_residual": f"{max(r / abs(v) for r, v in zip(s.top_residuals, s.top, strict=True)):.1e}"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=7, help="demo rounds (round 1 is a warm-up; >= 4)")
@@ -112,10 +119,7 @@ def main() -> None:
         return SubsetObjective(model, x, y, chunk_size=chunk, hvp_mode=args.hvp)
 
     def top5(model):
-        s = hessian_spectrum(objective(model), k=5, max_iter=max_hvps, tol=tol, layerwise=False)
-        return {"hvps": s.lanczos_hvps, "lambda_1": round(s.top[0], 4),
-                "lambda_1/lambda_5": round(s.top[0] / s.top[4], 3),
-                "max_rel_residual": f"{max(r / abs(v) for r, v in zip(s.top_residuals, s.top, strict=True)):.1e}"}
+        return _top5(objective(model), max_hvps, tol)
 
     def surface(points):
         def run(model):  # the grid's cost does not depend on its directions: random ones here
@@ -156,19 +160,8 @@ def main() -> None:
     print(f"demo round (FedSOL), median of rounds 2..{len(timer.round_times)}: {per_round:.2f} s "
           f"(each: {', '.join(f'{t:.1f}' for t in rounds)}); 5-round interval {interval:.1f} s")
     for name, results in timer.results.items():
-        if not results:
-            continue
-        key = "seconds"
-        seconds = statistics.median(r[key] for r in results)
-        line = f"{name}: median {seconds:.2f} s over {len(results)} ({', '.join(f'{r[key]:.1f}' for r in results)})"
-        if "hvps" in results[0]:
-            hvps = [r["hvps"] for r in results]
-            line += f", {statistics.median(hvps):g} Hessian-vector products ({', '.join(map(str, hvps))})"
-            if name == "top-5":
-                line += f", {seconds / statistics.median(hvps):.2f} s each; <= 40: " + \
-                        ("met" if max(hvps) <= 40 else "MISSED")
-        ratio = seconds / interval
-        print(line + f"; ratio to the 5-round interval {ratio:.3f} ({'under' if ratio < 0.1 else 'OVER'} 10%)")
+        if results:
+            _print_cost(name, results, interval)
     divergence_s = every_round_cost(method.model, dm)
     print(f"every-round divergence statistics: {divergence_s:.3f} s ({divergence_s / per_round:.3f} of a demo round)")
 
@@ -191,6 +184,20 @@ def every_round_cost(model, dm) -> float:
     divergence_stats(client_updates(uploads, start))
     classwise_accuracy(_scores(model, None, x, 500), y, 10)
     return time.perf_counter() - begin
+
+
+def _print_cost(name: str, results: list[dict], interval: float) -> None:
+    key = "seconds"
+    seconds = statistics.median(r[key] for r in results)
+    line = f"{name}: median {seconds:.2f} s over {len(results)} ({', '.join(f'{r[key]:.1f}' for r in results)})"
+    if "hvps" in results[0]:
+        hvps = [r["hvps"] for r in results]
+        line += f", {statistics.median(hvps):g} Hessian-vector products ({', '.join(map(str, hvps))})"
+        if name == "top-5":
+            line += f", {seconds / statistics.median(hvps):.2f} s each; <= 40: " + \
+                    ("met" if max(hvps) <= 40 else "MISSED")
+    ratio = seconds / interval
+    print(line + f"; ratio to the 5-round interval {ratio:.3f} ({'under' if ratio < 0.1 else 'OVER'} 10%)")
 
 
 if __name__ == "__main__":

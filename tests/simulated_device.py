@@ -40,6 +40,26 @@ class SimulatedDevice(TorchFunctionMode):
     def _named(self, device) -> str:
         return self.name if torch.device(device).type == self.name else "cpu"
 
+    def _moved(self, func, args, kwargs):
+        """(func, args, the device asked for or None) of a factory or a move; `kwargs` loses its device."""
+        device = kwargs.pop("device", None)
+        if func is torch.Tensor.to:  # .to(device), .to(dtype), .to(other), in any combination
+            rest = []
+            for a in args[1:]:
+                if isinstance(a, (str, torch.device)):
+                    device = a
+                elif isinstance(a, torch.Tensor):
+                    device = self.placed.get(a, "cpu")
+                    kwargs.setdefault("dtype", a.dtype)
+                else:
+                    rest.append(a)
+            args = (args[0], *rest)
+        elif func is torch.Tensor.cuda:
+            func, device, args = torch.Tensor.to, self.name, args[:1]
+        elif func is torch.Tensor.cpu:
+            device = "cpu"
+        return func, args, device
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if func == torch.Tensor.device.__get__:
@@ -51,22 +71,7 @@ class SimulatedDevice(TorchFunctionMode):
             return out
         target = None
         if func in FACTORIES or func in (torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu):
-            device = kwargs.pop("device", None)
-            if func is torch.Tensor.to:  # .to(device), .to(dtype), .to(other), in any combination
-                rest = []
-                for a in args[1:]:
-                    if isinstance(a, (str, torch.device)):
-                        device = a
-                    elif isinstance(a, torch.Tensor):
-                        device = self.placed.get(a, "cpu")
-                        kwargs.setdefault("dtype", a.dtype)
-                    else:
-                        rest.append(a)
-                args = (args[0], *rest)
-            elif func is torch.Tensor.cuda:
-                func, device, args = torch.Tensor.to, self.name, args[:1]
-            elif func is torch.Tensor.cpu:
-                device = "cpu"
+            func, args, device = self._moved(func, args, kwargs)
             if device is not None:
                 target = self._named(device)
             elif func in FACTORIES:
