@@ -118,12 +118,25 @@ def _explain(block: list[str], key: str, class_options: Callable[[str], list[str
     return f"{key}: " + " ".join(line.strip(" -") for line in block[:2])
 
 
+# Options that were renamed, by method: the old name gets a line naming the new one. `server_lr`
+# is the server's step size on the round's update (FedAvg, FedOpt); the learning rates of a
+# server-side training have names of their own.
+RENAMED_OPTIONS = {
+    "FedTGP": {"server_lr": "proto_lr (the learning rate of the server's prototype training)"},
+    "FedORGP": {"server_lr": "proto_lr (the learning rate of the server's prototype training)"},
+    "FedGH": {"server_lr": "head_lr (the learning rate of the server's head training)"},
+}
+
+
 def _explain_class(class_path: str, inner: list[str], key: str, class_options: Callable[[str], list[str]]) -> str:
     name = class_path.rsplit(".", 1)[-1]
     head = inner[0].strip() if inner else ""
     unknown = re.match(r"Option '([^']+)' is not accepted", head)
     if unknown:
         option = unknown.group(1)
+        renamed = RENAMED_OPTIONS.get(name, {}).get(option)
+        if renamed:
+            return f"{key}.init_args.{option}: {name}'s option is now {renamed}"
         known = class_options(class_path)
         hint = _did_you_mean(option, known)
         listed = f" ({name}'s options: {', '.join(known)})" if known and not hint else ""

@@ -46,6 +46,11 @@ MALFORMED = [
     (["--trainer.max_epochz", "3"], ["--trainer.max_epochz", "did you mean 'trainer.max_epochs'"]),
     (["--model.init_args.rhoo", "1"], ["model.init_args.rhoo", "did you mean 'rho'"]),
     (["--model", "FedSOL", "--model.init_args.lam", "1"], ["model.init_args.lam", "FedSOL's options: rho"]),
+    # renamed options: the line names the new name
+    (["--model", "FedTGP", "--model.init_args.server_lr", "0.1"],
+     ["model.init_args.server_lr: FedTGP's option is now proto_lr"]),
+    (["--model", "FedGH", "--model.init_args.server_lr", "0.1"],
+     ["model.init_args.server_lr: FedGH's option is now head_lr"]),
     (["RAW"], ["no subcommand", "fit, validate, test, analyze, sweep, report"]),
     (["RAW", "fitt"], ["unknown subcommand 'fitt' (did you mean fit?)", "fit, validate, test"]),
     (["RAW", "fti"], ["unknown subcommand 'fti' (did you mean fit?)", "fit, validate, test"]),
@@ -85,7 +90,7 @@ MALFORMED = [
     (["--trainer.max_epochs", "-5"], ["trainer", "max_epochs", "non-negative"]),
     # values the method or data module refuses
     (["--model", "FedDrPlus", "--model.init_args.beta", "2"], ["beta must be in [0, 1]", "2.0"]),
-    (["--model.init_args.lr", "-1"], ["lr and server_lr must be > 0"]),
+    (["--model.init_args.lr", "-1"], ["lr must be > 0"]),
     (["--model.init_args.momentum", "-1"], ["momentum and weight_decay must be >= 0"]),
     (["--model.init_args.weight_decay", "-1"], ["momentum and weight_decay must be >= 0"]),
     (["--model.init_args.lr_decay", "0"], ["lr_decay", "must be > 0"]),

@@ -122,7 +122,7 @@ METHOD_VALUES = {
     "fedconst/moon": {"class_path": "MOON", "mu": 0.01, "tau": 1.0},
     "fedconst/fedsam": {"class_path": "FedSAM", "rho": 1.0},
     "fedorgp/fedorgp": {"class_path": "FedORGP", "lambda_c": 100.0, "lambda_s": 1.0, "lambda_d": 10.0,
-                        "orthogonality": True, "server_epochs": 1, "server_lr": 0.01, "server_batch_size": 32,
+                        "orthogonality": True, "server_epochs": 1, "proto_lr": 0.01, "server_batch_size": 32,
                         "predict": "head"},
     "fedorgp/fedorgp_wo_or": {"class_path": "FedORGP", "orthogonality": False, "predict": "head"},
     "fedorgp/fedproto": {"class_path": "FedProto", "predict": "proto"},

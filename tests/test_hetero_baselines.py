@@ -42,7 +42,7 @@ def test_lg_fedavg_averages_heads_by_samples_and_sends_them_to_everyone():
 
 
 def test_fedgh_trains_the_global_head_on_prototypes():
-    method, dm, x, y, uploads = _two_clients(FedGH, server_epochs=20, server_lr=0.5)
+    method, dm, x, y, uploads = _two_clients(FedGH, server_epochs=20, head_lr=0.5)
     head0 = copy.deepcopy(method.server["global_head"])
     fit(method, dm, rounds=1)
     assert all(set(u.groups) == {"prototypes"} and u.group("prototypes") for u in uploads)

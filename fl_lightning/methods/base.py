@@ -159,7 +159,6 @@ class FederatedMethod(L.LightningModule):
         lr_decay: local lr multiplied by this after every round (FedSOL: 0.99).
         lr_milestones: if set, multi-step decay instead: lr x `lr_milestone_gamma` at these rounds.
         lr_milestone_gamma: the factor of that multi-step decay.
-        server_lr: global step size on the averaged update (1.0 = plain FedAvg).
         data_spec: classes / channels / image size; the CLI links it from the data module.
         constraint: FedCONST's per-channel convex constraints on the local update (see
             fedconst.py): "none", "joint" (exact projection) or "sequential" (the paper's
@@ -176,15 +175,14 @@ class FederatedMethod(L.LightningModule):
         lr_decay: float = 0.99,
         lr_milestones: list[int] | None = None,
         lr_milestone_gamma: float = 0.1,
-        server_lr: float = 1.0,
         data_spec: DataSpec | None = None,
         constraint: Literal["none", "joint", "sequential"] = "none",
     ):
         super().__init__()
         if data_spec is None:
             raise FLUserError("the method needs data_spec (the CLI links it from --data.dataset)")
-        if lr <= 0 or server_lr <= 0:
-            raise FLUserError(f"lr and server_lr must be > 0, got {lr} and {server_lr}")
+        if lr <= 0:
+            raise FLUserError(f"lr must be > 0, got {lr}")
         if momentum < 0 or weight_decay < 0:
             raise FLUserError(f"momentum and weight_decay must be >= 0, got {momentum} and {weight_decay}")
         if lr_decay <= 0 or lr_milestone_gamma <= 0:

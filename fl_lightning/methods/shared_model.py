@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from fl_lightning.data.datasets import DataSpec
+from fl_lightning.errors import FLUserError
 from fl_lightning.evaluation import EvalResult, Evaluation, evaluate
 from fl_lightning.methods.base import NO_CONTEXT, FederatedMethod, LossContext, abstract_base
 from fl_lightning.methods.local_step import round_constraint
@@ -33,14 +34,19 @@ class SharedModelMethod(FederatedMethod):
     values, which the server never changes.
 
     Args:
+        server_lr: the server's step size eta on the round's update: w + eta * (the clients'
+            weighted average - w) for FedAvg (1.0 = plain FedAvg), and the same eta on the
+            server optimizer's step for FedAvgM, FedAdagrad, FedAdam and FedYogi.
         model: architecture name (see `fl_lightning.models.MODELS`).
-        lr, momentum, weight_decay, lr_decay, lr_milestones, lr_milestone_gamma, server_lr,
-            data_spec, constraint: see `FederatedMethod`.
+        lr, momentum, weight_decay, lr_decay, lr_milestones, lr_milestone_gamma, data_spec,
+            constraint: see `FederatedMethod`.
     """
 
     needs_global_model: bool = False  # methods that run the frozen round-start model set this
 
-    def __init__(self, **kwargs):
+    def __init__(self, server_lr: float = 1.0, **kwargs):
+        if server_lr <= 0:
+            raise FLUserError(f"server_lr must be > 0, got {server_lr}")
         super().__init__(**kwargs)
         spec = self.hparams.data_spec
         self.model: FLModel = self.build_network(self.hparams.model, spec)

@@ -62,16 +62,16 @@ class FedGH(SharedHeadMethod):
 
     Args:
         server_epochs: epochs of the server's training of the head on the prototypes.
-        server_lr: SGD learning rate of that training.
+        head_lr: SGD learning rate of that training.
         server_batch_size: prototypes per server step.
     """
 
     def __init__(
-        self, server_epochs: int = 1, server_lr: float = 0.01, server_batch_size: int = 32, **kwargs
+        self, server_epochs: int = 1, head_lr: float = 0.01, server_batch_size: int = 32, **kwargs
     ):
         super().__init__(**kwargs)
-        if server_epochs < 1 or server_batch_size < 1 or server_lr <= 0:
-            raise FLUserError("server_epochs and server_batch_size must be >= 1 and server_lr > 0")
+        if server_epochs < 1 or server_batch_size < 1 or head_lr <= 0:
+            raise FLUserError("server_epochs and server_batch_size must be >= 1 and head_lr > 0")
         self.save_hyperparameters()
 
     def upload(self) -> dict:
@@ -89,7 +89,7 @@ class FedGH(SharedHeadMethod):
             labels,
             lambda head, p, y: F.cross_entropy(head(p), y),
             h.server_epochs,
-            h.server_lr,
+            h.head_lr,
             h.server_batch_size,
             self.server_seed(),
         )

@@ -260,7 +260,7 @@ class PrototypeMethod(HeteroMethod):
         prototypes, labels)`: (its output, its new state_dict, the last batch's loss)."""
         h = self.hparams
         module = copy.deepcopy(self.server["prototypes"])
-        loss = train_on_pairs(module, protos, labels, loss_fn, h.server_epochs, h.server_lr, h.server_batch_size,
+        loss = train_on_pairs(module, protos, labels, loss_fn, h.server_epochs, h.proto_lr, h.server_batch_size,
                               self.server_seed())
         with torch.no_grad():
             out = module()
@@ -308,7 +308,7 @@ class FedTGP(PrototypeMethod):
 
     Args:
         server_epochs: epochs of the server's training on the prototype pairs (paper: 100).
-        server_lr: SGD learning rate of that training.
+        proto_lr: SGD learning rate of that training.
         server_batch_size: prototype pairs per server step.
         margin_threshold: the margin is min(max_c gap_c, threshold), gap_c = distance from class
             c's mean client prototype to the nearest other class's.
@@ -319,14 +319,14 @@ class FedTGP(PrototypeMethod):
         lam: float = 1.0,
         predict: Literal["head", "proto"] = "proto",
         server_epochs: int = 100,
-        server_lr: float = 0.01,
+        proto_lr: float = 0.01,
         server_batch_size: int = 32,
         margin_threshold: float = 100.0,
         **kwargs,
     ):
         super().__init__(lam=lam, predict=predict, **kwargs)
-        if server_epochs < 1 or server_batch_size < 1 or server_lr <= 0:
-            raise FLUserError("server_epochs and server_batch_size must be >= 1 and server_lr > 0")
+        if server_epochs < 1 or server_batch_size < 1 or proto_lr <= 0:
+            raise FLUserError("server_epochs and server_batch_size must be >= 1 and proto_lr > 0")
         self.save_hyperparameters()
         self.server.module("prototypes", TrainablePrototypes(self.hparams.data_spec.num_classes,
                                                              self.hparams.feature_dim))
@@ -361,7 +361,7 @@ class FedORGP(PrototypeMethod):
         lambda_d: weight of the inter-class orthogonality term of L_OR.
         orthogonality: False gives the "w/o OR" ablation (global prototypes = mean of client ones).
         server_epochs: epochs of the server's training of the prototypes (paper: 1).
-        server_lr: SGD learning rate of that training (paper: 0.01).
+        proto_lr: SGD learning rate of that training (paper: 0.01).
         server_batch_size: prototype pairs per server step (paper: 32).
         predict: "head" (paper) or "proto".
     """
@@ -373,7 +373,7 @@ class FedORGP(PrototypeMethod):
         lambda_d: float = 10.0,
         orthogonality: bool = True,
         server_epochs: int = 1,
-        server_lr: float = 0.01,
+        proto_lr: float = 0.01,
         server_batch_size: int = 32,
         predict: Literal["head", "proto"] = "head",
         **kwargs,
@@ -381,8 +381,8 @@ class FedORGP(PrototypeMethod):
         if kwargs.pop("lam", None) is not None:
             raise FLUserError("FedORGP weighs its prototype loss with lambda_c, not lam")
         super().__init__(lam=lambda_c, predict=predict, **kwargs)
-        if server_epochs < 1 or server_batch_size < 1 or server_lr <= 0:
-            raise FLUserError("server_epochs and server_batch_size must be >= 1 and server_lr > 0")
+        if server_epochs < 1 or server_batch_size < 1 or proto_lr <= 0:
+            raise FLUserError("server_epochs and server_batch_size must be >= 1 and proto_lr > 0")
         self.save_hyperparameters()
         self.server.module("prototypes", TrainablePrototypes(self.hparams.data_spec.num_classes,
                                                              self.hparams.feature_dim))
