@@ -115,38 +115,45 @@ class ServerState(nn.Module):
     step's result: a dict for `tensors`, a tensor for `tensor` (its shape may change; it keeps the
     device and dtype of the entry), a state_dict for `module`."""
 
+    def __init__(self):
+        super().__init__()
+        self.kinds: dict[str, str] = {}  # entry name -> "tensors", "tensor" or "module", in declaration order
+
     def tensors(self, name: str, values: Mapping[str, torch.Tensor]) -> None:
         self.add_module(name, _TensorGroup(values))
+        self.kinds[name] = "tensors"
 
     def tensor(self, name: str, value: torch.Tensor) -> None:
         self.register_buffer(name, value.detach().clone())
+        self.kinds[name] = "tensor"
 
     def module(self, name: str, module: nn.Module) -> None:
         self.add_module(name, module)
+        self.kinds[name] = "module"
 
     def __getitem__(self, name: str):
-        if name in self._buffers:
-            return self._buffers[name]
-        entry = self._modules.get(name)
-        if entry is None:
+        kind = self.kinds.get(name)
+        if kind is None:
             raise KeyError(f"no server state entry '{name}'")
-        return entry.as_dict() if isinstance(entry, _TensorGroup) else entry
+        entry = getattr(self, name)
+        return entry.as_dict() if kind == "tensors" else entry
 
     def __contains__(self, name: str) -> bool:
-        return name in self._buffers or name in self._modules
+        return name in self.kinds
 
     def entries(self) -> list[str]:
-        return [*self._buffers, *self._modules]
+        return list(self.kinds)
 
     def assign(self, values: Mapping[str, object]) -> None:
         for name, value in values.items():
-            if name in self._buffers:
-                current = self._buffers[name]
-                self._buffers[name] = value.detach().to(device=current.device, dtype=current.dtype).clone()
-            elif isinstance(self._modules.get(name), _TensorGroup):
-                self._modules[name].assign(value)
-            elif name in self._modules:
-                self._modules[name].load_state_dict(value)
+            kind = self.kinds.get(name)
+            if kind == "tensor":
+                current = getattr(self, name)
+                self.register_buffer(name, value.detach().to(device=current.device, dtype=current.dtype).clone())
+            elif kind == "tensors":
+                getattr(self, name).assign(value)
+            elif kind == "module":
+                getattr(self, name).load_state_dict(value)
             else:
                 raise KeyError(f"no server state entry '{name}'")
 

@@ -81,6 +81,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fl_lightning import compat
 from fl_lightning.client_store import ClientStateStore
 from fl_lightning.data.datamodule import ClientWork
 from fl_lightning.data.datasets import DataSpec
@@ -368,7 +369,7 @@ class FederatedMethod(L.LightningModule):
         self.optimizers().optimizer.state.clear()
 
     def run_seed(self) -> int:
-        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        dm = getattr(compat.attached_trainer(self), "datamodule", None)
         return int(dm.hparams.seed) if dm is not None else 0
 
     def server_seed(self) -> int:
@@ -385,7 +386,8 @@ class FederatedMethod(L.LightningModule):
         """Gradients taken with torch.autograd.grad bypass DDP's all-reduce; average them here so
         every rank perturbs identically (a no-op on one device, and when the ranks train different
         clients: `--federation.parallel clients`)."""
-        if self._trainer is None or self._trainer.world_size == 1 or clients_in_parallel(self._trainer):
+        trainer = compat.attached_trainer(self)
+        if trainer is None or trainer.world_size == 1 or clients_in_parallel(trainer):
             return tensors
         return [self.trainer.strategy.reduce(t, reduce_op="mean") for t in tensors]
 
@@ -455,7 +457,7 @@ class FederatedMethod(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # the files a checkpoint names are beside it, wherever this run writes its own
-        path = getattr(self._trainer, "ckpt_path", None) if self._trainer is not None else None
+        path = getattr(compat.attached_trainer(self), "ckpt_path", None)
         base = Path(path).parent / "client_states" if path else None
         self.client_states.load_checkpoint_state(checkpoint.get("fl_client_states", {"states": {}}), base=base)
 
@@ -588,12 +590,10 @@ class SharedModelMethod(FederatedMethod):
         params, global_params = self._drift_pairs
         if not params:
             return 0.0
-        # one norm per tensor, then the norm of the norms: cheaper than squaring and summing
-        # every difference (and torch's norm accumulates more accurately); the foreach forms are
-        # the same per-tensor operations on the CPU in two calls rather than one per tensor
+        # one norm per tensor, then the norm of the norms (torch's norm accumulates more accurately
+        # than squaring and summing every difference): what torch's total gradient norm computes
         with torch.no_grad():
-            norms = torch._foreach_norm(torch._foreach_sub(params, global_params))
-        return float(torch.linalg.vector_norm(torch.stack(norms)))
+            return float(torch.nn.utils.get_total_norm([p - g for p, g in zip(params, global_params, strict=True)]))
 
     def local_model_stats(self, test_loader: Callable[[], Iterable], per_class: bool = False) -> dict[str, float]:
         result = self.evaluate(test_loader(), per_class=per_class)
