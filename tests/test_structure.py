@@ -211,7 +211,8 @@ def library_internal_uses(paths: list[Path]) -> list[str]:
       `atexit._clear`);
     - inside a class, defining or using through `self` a private name that one of the class's
       bases from another library has (`self._trainer` in a LightningModule, an override of
-      `nn.Module._apply`), unless the override is declared through a compat.py decorator;
+      `nn.Module._apply`), unless the override is declared through a compat.py decorator (which
+      may then call the library's own through `super()`);
     - anywhere else, `x._name` where no class or module of fl_lightning defines `_name` (an object
       of another library reached any other way)."""
     trees = {p: ast.parse(p.read_text(), filename=str(p)) for p in paths}
@@ -234,6 +235,9 @@ def library_internal_uses(paths: list[Path]) -> list[str]:
     for path, tree in trees.items():
         where = _shown(path)
         library = _library_bindings(tree)
+        declared = {id(call) for fn in ast.walk(tree) if _declared_by_compat(fn)  # the overridden method itself
+                    for call in ast.walk(fn) if isinstance(call, ast.Attribute) and call.attr == fn.name
+                    and _is_self(call.value) and isinstance(call.value, ast.Call)}
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.level == 0 and not _ours(node.module):
                 if any(map(_private, node.module.split("."))) or any(_private(a.name) for a in node.names):
@@ -245,7 +249,7 @@ def library_internal_uses(paths: list[Path]) -> list[str]:
                   and node.name in inherited_by_node.get(id(node), set()) and not _declared_by_compat(node)):
                 found.append(f"{where}:{node.lineno}: def {node.name} (overrides a library's internal)")
         for node, obj, name in _attribute_uses(tree):
-            if not _private(name) or name in DOCUMENTED_UNDERSCORE_NAMES:
+            if not _private(name) or name in DOCUMENTED_UNDERSCORE_NAMES or id(node) in declared:
                 continue
             root = _root(obj)
             if isinstance(root, ast.Name) and root.id in library:
@@ -263,6 +267,13 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 import lightning as L
+from fl_lightning import compat
+
+
+class Declared(nn.Linear):
+    @compat.overrides_module_internal
+    def _apply(self, fn, recurse=True):
+        return super()._apply(fn, recurse)
 
 
 class Probe(L.LightningModule):
