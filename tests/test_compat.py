@@ -450,3 +450,64 @@ def test_a_forked_child_forgets_the_parents_exit_handlers_and_runs_its_own():
     assert done.returncode == 0, done.stderr[-2000:]
     assert sorted(done.stdout.splitlines()) == ["child exit function in child", "child finalizer in child",
                                                 "parent exit function in parent", "parent finalizer in parent"]
+
+
+def test_the_validation_data_is_loaded_once_a_fit_not_once_a_round(monkeypatch):
+    """`reload_dataloaders_every_n_epochs=1` (every round has its own clients) would rebuild the
+    global test set's loader every round; the round callback keeps it (3 rounds: one load)."""
+    from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
+
+    assert "_last_val_dl_reload_epoch" in inspect.getsource(_EvaluationLoop._should_reload_val_dl.fget)
+
+    def loads(keep: bool) -> int:
+        if not keep:
+            monkeypatch.setattr(compat, "keep_validation_data", lambda trainer: None)
+        x, y = toy_data(n=12)
+        dm = one_client_module(x, y)
+        calls = []
+        real = dm.val_dataloader
+        dm.val_dataloader = lambda: calls.append(1) or real()
+        fit(FedAvg(model="mlp", data_spec=dm.spec), dm, rounds=3)
+        return len(calls)
+
+    assert loads(keep=True) == 1
+    assert loads(keep=False) == 3  # what Lightning does on its own
+
+
+def test_progress_bar_metrics_are_the_dict_lightning_shows():
+    trainer = L.Trainer(logger=False, enable_checkpointing=False)
+    compat.progress_bar_metrics(trainer)["round_acc"] = 0.5
+    assert trainer.progress_bar_metrics["round_acc"] == 0.5
+
+
+def test_a_wandb_run_made_outside_lightnings_logger_is_its_run(tmp_path):
+    from lightning.pytorch.loggers import WandbLogger
+
+    assert compat.wandb_offline(WandbLogger(offline=True, save_dir=str(tmp_path)))
+    logger = WandbLogger(offline=False, save_dir=str(tmp_path))
+    assert not compat.wandb_offline(logger) and not compat.wandb_run_created(logger)
+    run = object()
+    compat.set_wandb_run(logger, run)
+    assert compat.wandb_run_created(logger) and logger.experiment is run  # no second run made
+
+
+PROCESS_GROUP_CHECK = r"""
+import atexit, sys
+import torch.distributed as dist
+from fl_lightning import compat
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized()))  # runs last
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+compat.destroy_process_group_at_exit()
+compat.destroy_process_group_at_exit()  # once however often called
+print("registered")
+"""
+
+
+def test_the_process_group_is_destroyed_when_the_interpreter_exits(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", PROCESS_GROUP_CHECK, str(tmp_path / "rendezvous")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["registered", "initialized at exit: False"]
