@@ -12,7 +12,11 @@ ratios are the medians of the per-round ratios (a shared machine's speed drifts 
 runs a minute apart); in (ii) and (iii) project and plain runs alternate (`--repeats`). The first
 round of every run is dropped as warm-up.
 
-    PYTHONPATH=. python benchmarks/core_overhead.py [--repeats 3] [--only i]
+    PYTHONPATH=. python benchmarks/core_overhead.py [--repeats 3] [--only i] [--without SHORTCUT ...]
+
+`--without` switches off one of the local step's speed shortcuts (docs/performance/shortcuts.md)
+for the whole run, the same math through the public path it bypasses: run with and without it,
+alternating, to measure what it saves.
 
 Regimes (issue 22's targets in brackets):
   (i)   overhead-bound, the user's run: `fl-lightning fit` (in this process) with every default of
@@ -384,6 +388,22 @@ def compare(setting, model, method, rounds, repeats):
     return (med(p_times), med(q_times)), (med(p_clients), med(q_clients)), med(steps), diff
 
 
+def _switch_off(shortcuts: list[str]) -> None:
+    """The public path in place of each named shortcut (docs/performance/shortcuts.md)."""
+    from fl_lightning import compat
+    from fl_lightning.methods import local_step
+
+    if "release_gradients" in shortcuts:  # torch's zero_grad, with its profiler annotation
+        compat.release_gradients = lambda optimizer: optimizer.zero_grad(set_to_none=True)
+    if "step_optimizer" in shortcuts:  # torch's step, with its profiler annotation
+        compat.step_optimizer = lambda optimizer: optimizer.step()
+    if "direct_step" in shortcuts:  # every step through Lightning's manual_backward and optimizer wrapper
+        local_step.lightning_wrappers_idle = lambda *args: False
+
+
+SHORTCUTS = ("release_gradients", "step_optimizer", "direct_step")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -391,11 +411,15 @@ def main() -> None:
     parser.add_argument("--cnn_rounds", type=int, default=4, help="rounds per run in (ii)")
     parser.add_argument("--many_rounds", type=int, default=15, help="rounds per run in (iii)")
     parser.add_argument("--only", choices=["i", "ii", "iii"], help="run one regime")
+    parser.add_argument("--without", action="append", default=[], choices=SHORTCUTS,
+                        help="switch a speed shortcut off (repeatable)")
     args = parser.parse_args()
+    _switch_off(args.without)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    print(f"torch threads: 1; {args.repeats} alternating runs per comparison")
+    print(f"torch threads: 1; {args.repeats} alternating runs per comparison; shortcuts switched off: "
+          f"{', '.join(args.without) or 'none'}")
     if args.only in (None, "i"):
         user_run(args.rounds, args.repeats)
     if args.only in (None, "ii"):

@@ -367,3 +367,71 @@ def quiet_library_notices() -> None:
         tip_logger.addFilter(_DropLightningTips())
     warnings.filterwarnings("ignore", message=LIGHTNING_PYTREE_DEPRECATION,
                             module="lightning.pytorch.utilities._pytree")
+
+
+# ---- internals used by the methods, the state containers, the analysis callback and the warm worker
+
+
+def attached_trainer(module) -> Any:
+    """The Trainer a LightningModule is attached to, or None when it is not (a method built and
+    used outside a fit: tests, `analyze`). Lightning's public `module.trainer` raises in that case;
+    `LightningModule._trainer` is what it reads."""
+    return module._trainer
+
+
+def callback_state_key(callback, **kwargs) -> str:
+    """A callback's `state_key` that tells instances apart by `kwargs`, as Lightning's own callbacks
+    make theirs (`Callback._generate_state_key`: the class name and the arguments). Checkpoints
+    store the callback's state under this key, so its form must stay what they were written with."""
+    return callback._generate_state_key(**kwargs)
+
+
+def overrides_module_internal(method):
+    """Marks an `nn.Module` subclass's override of one of `nn.Module`'s internal methods (a name
+    starting with `_`), kept because no public hook replaces it: `_apply`, through which every
+    device and dtype conversion (`.to`, `.double`, `.cuda`, ...) goes, is where a module learns that
+    its tensors were replaced. Fails at import, naming this file, when `nn.Module` no longer has a
+    method of that name with the same parameters (tests/test_compat.py checks the conversions still
+    go through it)."""
+    import inspect
+
+    from torch import nn
+
+    theirs = getattr(nn.Module, method.__name__, None)
+    if not callable(theirs) or list(inspect.signature(theirs).parameters) != list(inspect.signature(method).parameters):
+        raise RuntimeError(f"torch's nn.Module has no {method.__name__}{inspect.signature(method)} any more: "
+                           f"update fl_lightning/compat.py")
+    return method
+
+
+def is_batch_norm(module) -> bool:
+    """Whether `module` is a batch-normalisation layer of torch, of any dimension, lazy or synced
+    (`torch.nn.modules.batchnorm._BatchNorm`, their common base; instance, layer and group norms
+    are not)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return isinstance(module, _BatchNorm)
+
+
+def forget_exit_handlers() -> None:
+    """In a forked child: drops every exit function (`atexit`) and finalizer (`weakref.finalize`)
+    inherited from the parent, which would otherwise run at the child's exit on what the parent
+    owns; the child's own, registered afterwards, still run at its exit (`run_exit_handlers`).
+    (`atexit._clear`, `weakref.finalize._registry`, `_registered_with_atexit`, `_exitfunc`:
+    CPython's, stable since 3.4.)"""
+    import atexit
+    import weakref
+
+    atexit._clear()
+    for finalizer in list(weakref.finalize._registry):
+        finalizer.detach()
+    if weakref.finalize._registered_with_atexit:  # CPython registers its finalizers' exit function once
+        atexit.register(weakref.finalize._exitfunc)
+
+
+def run_exit_handlers() -> None:
+    """Runs the exit functions (`atexit`) now, what interpreter shutdown does, for a process that
+    ends with `os._exit` (a forked child) (`atexit._run_exitfuncs`)."""
+    import atexit
+
+    atexit._run_exitfuncs()

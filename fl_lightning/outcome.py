@@ -56,7 +56,7 @@ def read_outcome(run_dir: str | Path) -> Outcome | None:
     if not isinstance(summary, dict):
         return None
     recorded = summary.get("outcome")
-    if recorded in Outcome._value2member_map_:
+    if recorded in [o.value for o in Outcome]:
         return Outcome(recorded)
     if summary.get("diverged"):
         return Outcome.DIVERGED

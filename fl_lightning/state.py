@@ -18,12 +18,10 @@ model) in one place that is never saved.
 from __future__ import annotations
 
 import copy
-import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
 
 State = dict[str, torch.Tensor]
 
@@ -35,51 +33,6 @@ def to_cpu(tensors: Mapping[str, torch.Tensor]) -> State:
 
 def trainable_zeros(model: nn.Module) -> State:
     return {n: torch.zeros_like(p) for n, p in model.named_parameters() if p.requires_grad}
-
-
-def state_loader(module: nn.Module, state: Mapping[str, torch.Tensor]) -> Callable[[], None]:
-    """A function doing what `module.load_state_dict(state)` does, made once for loading the same
-    `state` many times (every client of a round starts from the round's global weights).
-
-    It copies each tensor of `state` into the module's own, which is all `load_state_dict` does
-    for a module of plain layers; `load_state_dict` also walks the module tree, matches the keys
-    and asks every submodule's loading hooks on every call, which every client of every round
-    would pay (benchmarks/core_overhead.py (i) measures it).
-    Where loading would do more than copy (a load hook, a submodule's own `_load_from_state_dict`,
-    `set_extra_state` or `load_state_dict`, torch's swap-tensors mode) or `state` is not exactly
-    the module's keys and shapes, the function is `load_state_dict` itself. The module's tensors
-    are taken now: make it again after anything replaces them (`module.to(...)` of buffers)."""
-    own = module.state_dict(keep_vars=True)
-    if not _loads_by_copying(module) or own.keys() != state.keys() or any(
-            not torch.is_tensor(v) or v.shape != own[k].shape for k, v in state.items()):
-        return functools.partial(module.load_state_dict, state)
-    pairs = [(own[k], v) for k, v in state.items()]
-
-    def load() -> None:
-        with torch.no_grad():
-            for target, value in pairs:
-                target.copy_(value)
-
-    return load
-
-
-def _loads_by_copying(module: nn.Module) -> bool:
-    """`module.load_state_dict` of a state with its own keys only copies tensors into its own."""
-    if torch.__future__.get_swap_module_params_on_conversion():
-        return False
-    for m in module.modules():
-        kind = type(m)
-        if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks:
-            return False
-        if m is module and kind.load_state_dict is not nn.Module.load_state_dict:
-            return False
-        # _NormBase's own only fills in a missing num_batches_tracked (old checkpoints); the state
-        # here has every key of the module
-        if kind._load_from_state_dict not in (nn.Module._load_from_state_dict, _NormBase._load_from_state_dict):
-            return False
-        if kind.set_extra_state is not nn.Module.set_extra_state:
-            return False
-    return True
 
 
 def _escaped(name: str) -> str:
@@ -115,38 +68,45 @@ class ServerState(nn.Module):
     step's result: a dict for `tensors`, a tensor for `tensor` (its shape may change; it keeps the
     device and dtype of the entry), a state_dict for `module`."""
 
+    def __init__(self):
+        super().__init__()
+        self.kinds: dict[str, str] = {}  # entry name -> "tensors", "tensor" or "module", in declaration order
+
     def tensors(self, name: str, values: Mapping[str, torch.Tensor]) -> None:
         self.add_module(name, _TensorGroup(values))
+        self.kinds[name] = "tensors"
 
     def tensor(self, name: str, value: torch.Tensor) -> None:
         self.register_buffer(name, value.detach().clone())
+        self.kinds[name] = "tensor"
 
     def module(self, name: str, module: nn.Module) -> None:
         self.add_module(name, module)
+        self.kinds[name] = "module"
 
     def __getitem__(self, name: str):
-        if name in self._buffers:
-            return self._buffers[name]
-        entry = self._modules.get(name)
-        if entry is None:
+        kind = self.kinds.get(name)
+        if kind is None:
             raise KeyError(f"no server state entry '{name}'")
-        return entry.as_dict() if isinstance(entry, _TensorGroup) else entry
+        entry = getattr(self, name)
+        return entry.as_dict() if kind == "tensors" else entry
 
     def __contains__(self, name: str) -> bool:
-        return name in self._buffers or name in self._modules
+        return name in self.kinds
 
     def entries(self) -> list[str]:
-        return [*self._buffers, *self._modules]
+        return list(self.kinds)
 
     def assign(self, values: Mapping[str, object]) -> None:
         for name, value in values.items():
-            if name in self._buffers:
-                current = self._buffers[name]
-                self._buffers[name] = value.detach().to(device=current.device, dtype=current.dtype).clone()
-            elif isinstance(self._modules.get(name), _TensorGroup):
-                self._modules[name].assign(value)
-            elif name in self._modules:
-                self._modules[name].load_state_dict(value)
+            kind = self.kinds.get(name)
+            if kind == "tensor":
+                current = getattr(self, name)
+                self.register_buffer(name, value.detach().to(device=current.device, dtype=current.dtype).clone())
+            elif kind == "tensors":
+                getattr(self, name).assign(value)
+            elif kind == "module":
+                getattr(self, name).load_state_dict(value)
             else:
                 raise KeyError(f"no server state entry '{name}'")
 

@@ -17,7 +17,6 @@ the signal that killed it). End of input ends the worker.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import importlib
 import json
@@ -26,7 +25,8 @@ import signal
 import subprocess
 import sys
 import traceback
-import weakref
+
+from fl_lightning import compat
 
 COMMAND = "_warm_worker"
 
@@ -41,7 +41,6 @@ LATE_IMPORTS = ("wandb", "wandb.sdk.launch", "sklearn.datasets", "mlxtend.data",
 def serve() -> None:
     """The worker's loop (runs in the warm process)."""
     import fl_lightning.lightning_cli as cli  # the start-up every run would otherwise pay
-    from fl_lightning import compat
 
     for name in LATE_IMPORTS:
         with contextlib.suppress(ImportError):
@@ -77,13 +76,8 @@ def _run_child(cli, args: list[str], log: str) -> None:
         # What the worker created at import (W&B's media directory, removed by an atexit function
         # and a finalizer) is the worker's: the run's exit must clean up what the run created and
         # nothing under the next run. So the run starts with no exit function or finalizer of the
-        # worker's (atexit._clear, weakref.finalize._registry: CPython's, stable since 3.4), and
-        # its own finalizers still run at its exit.
-        atexit._clear()
-        for finalizer in list(weakref.finalize._registry):
-            finalizer.detach()
-        if weakref.finalize._registered_with_atexit:
-            atexit.register(weakref.finalize._exitfunc)
+        # worker's, and its own finalizers still run at its exit.
+        compat.forget_exit_handlers()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(out, 1)
@@ -101,7 +95,7 @@ def _run_child(cli, args: list[str], log: str) -> None:
         traceback.print_exc()
         code = 1
     finally:
-        atexit._run_exitfuncs()  # what interpreter shutdown does for a process started on its own
+        compat.run_exit_handlers()  # what interpreter shutdown does for a process started on its own
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

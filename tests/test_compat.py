@@ -445,3 +445,166 @@ def test_persistent_callbacks_come_after_the_users_and_the_cli_options_callbacks
     kinds = [type(c) for c in cli.trainer.callbacks]
     assert kinds.index(LearningRateMonitor) < kinds.index(_Configured) < kinds.index(_Persistent)
     assert defaults == {"logger": False}  # the defaults given stay as they were, for the next CLI
+def test_attached_trainer_is_the_fits_trainer_and_none_outside_a_fit():
+    """Lightning's public `module.trainer` raises outside a fit, which is why the methods ask
+    compat; inside the fit both are the same Trainer."""
+    x, y = toy_data(n=12)
+    dm = one_client_module(x, y)
+    method = FedAvg(model="mlp", data_spec=dm.spec)
+    assert compat.attached_trainer(method) is None
+    with pytest.raises(RuntimeError, match="not attached to a `Trainer`"):
+        method.trainer  # noqa: B018 - the property is what is tested
+    seen = []
+
+    class Look(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, *args):
+            seen.append(compat.attached_trainer(pl_module) is trainer is pl_module.trainer)
+
+    fit(method, dm, rounds=1, callbacks=[Look()])
+    assert seen and all(seen)
+
+
+class KeyedCallback(L.Callback):
+    pass
+
+
+def test_a_callbacks_state_key_is_its_class_name_and_arguments():
+    """The key a checkpoint stores the analysis callback's state under: a change of its form
+    would leave resumed runs without their analysis tables."""
+    key = compat.callback_state_key(KeyedCallback(), surface="none", every_n_rounds=5)
+    assert key == "KeyedCallback{'surface': 'none', 'every_n_rounds': 5}"
+
+
+def test_module_internal_overrides_see_every_conversion_and_are_checked_at_import():
+    class Watched(torch.nn.Linear):
+        @compat.overrides_module_internal
+        def _apply(self, fn, recurse=True):
+            self.applied = getattr(self, "applied", 0) + 1
+            return super()._apply(fn, recurse)
+
+    module = Watched(2, 2)
+    conversions = [lambda m: m.double(), lambda m: m.float(), lambda m: m.to(torch.float64), lambda m: m.to("cpu"),
+                   lambda m: m.type(torch.float32), lambda m: m.bfloat16(), lambda m: m.half()]
+    for i, convert in enumerate(conversions, start=1):
+        convert(module)
+        assert module.applied == i
+    assert module.weight.dtype == torch.float16
+    with pytest.raises(RuntimeError, match="update fl_lightning/compat.py"):
+        compat.overrides_module_internal(lambda self, fn: None)  # a name nn.Module lacks
+
+    def _apply(self, fn, recurse=True, extra=None):
+        return self
+
+    with pytest.raises(RuntimeError, match=r"_apply\(self, fn, recurse=True, extra=None\)"):
+        compat.overrides_module_internal(_apply)  # not nn.Module's parameters
+
+
+def test_batch_norm_is_every_batch_norm_layer_of_torch_and_no_other_norm():
+    from torch import nn
+
+    kinds = [getattr(nn, name) for name in dir(nn) if "BatchNorm" in name]
+    assert {k.__name__ for k in kinds} >= {"BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm",
+                                           "LazyBatchNorm1d", "LazyBatchNorm2d", "LazyBatchNorm3d"}
+    assert all(compat.is_batch_norm(k(4) if "Lazy" not in k.__name__ else k()) for k in kinds)
+    others = [nn.InstanceNorm1d(4), nn.InstanceNorm2d(4, affine=True), nn.LayerNorm(4), nn.GroupNorm(2, 4),
+              nn.LocalResponseNorm(2), nn.Linear(2, 2)]
+    assert not any(compat.is_batch_norm(m) for m in others)
+
+
+EXIT_HANDLERS_CHECK = r"""
+import atexit, os, sys, weakref
+from fl_lightning import compat
+parent = os.getpid()
+
+def say(label):
+    os.write(1, f"{label} in {'parent' if os.getpid() == parent else 'child'}\n".encode())
+
+class Owned:
+    pass
+
+atexit.register(say, "parent exit function")
+owned = Owned()
+weakref.finalize(owned, say, "parent finalizer")
+pid = os.fork()
+if pid == 0:
+    compat.forget_exit_handlers()
+    atexit.register(say, "child exit function")
+    mine = Owned()
+    weakref.finalize(mine, say, "child finalizer")
+    compat.run_exit_handlers()
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_forked_child_forgets_the_parents_exit_handlers_and_runs_its_own():
+    """What the warm sweep worker's runs rely on: a run's exit cleans up what the run made, never
+    what the worker made (W&B's media directory), and the worker's still run at its own exit."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", EXIT_HANDLERS_CHECK], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert sorted(done.stdout.splitlines()) == ["child exit function in child", "child finalizer in child",
+                                                "parent exit function in parent", "parent finalizer in parent"]
+
+
+def test_the_validation_data_is_loaded_once_a_fit_not_once_a_round(monkeypatch):
+    """`reload_dataloaders_every_n_epochs=1` (every round has its own clients) would rebuild the
+    global test set's loader every round; the round callback keeps it (3 rounds: one load)."""
+    from lightning.pytorch.loops.evaluation_loop import _EvaluationLoop
+
+    assert "_last_val_dl_reload_epoch" in inspect.getsource(_EvaluationLoop._should_reload_val_dl.fget)
+
+    def loads(keep: bool) -> int:
+        if not keep:
+            monkeypatch.setattr(compat, "keep_validation_data", lambda trainer: None)
+        x, y = toy_data(n=12)
+        dm = one_client_module(x, y)
+        calls = []
+        real = dm.val_dataloader
+        dm.val_dataloader = lambda: calls.append(1) or real()
+        fit(FedAvg(model="mlp", data_spec=dm.spec), dm, rounds=3)
+        return len(calls)
+
+    assert loads(keep=True) == 1
+    assert loads(keep=False) == 3  # what Lightning does on its own
+
+
+def test_progress_bar_metrics_are_the_dict_lightning_shows():
+    trainer = L.Trainer(logger=False, enable_checkpointing=False)
+    compat.progress_bar_metrics(trainer)["round_acc"] = 0.5
+    assert trainer.progress_bar_metrics["round_acc"] == 0.5
+
+
+def test_a_wandb_run_made_outside_lightnings_logger_is_its_run(tmp_path):
+    from lightning.pytorch.loggers import WandbLogger
+
+    assert compat.wandb_offline(WandbLogger(offline=True, save_dir=str(tmp_path)))
+    logger = WandbLogger(offline=False, save_dir=str(tmp_path))
+    assert not compat.wandb_offline(logger) and not compat.wandb_run_created(logger)
+    run = object()
+    compat.set_wandb_run(logger, run)
+    assert compat.wandb_run_created(logger) and logger.experiment is run  # no second run made
+
+
+PROCESS_GROUP_CHECK = r"""
+import atexit, sys
+import torch.distributed as dist
+from fl_lightning import compat
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized()))  # runs last
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+compat.destroy_process_group_at_exit()
+compat.destroy_process_group_at_exit()  # once however often called
+print("registered")
+"""
+
+
+def test_the_process_group_is_destroyed_when_the_interpreter_exits(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", PROCESS_GROUP_CHECK, str(tmp_path / "rendezvous")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["registered", "initialized at exit: False"]

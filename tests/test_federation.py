@@ -1,20 +1,16 @@
 """Aggregation and the round mechanics."""
 
-import copy
-import functools
 import math
 
 import lightning as L
 import numpy as np
 import pytest
 import torch
-from fl_test_utils import assert_same_tensors, fit, four_clients, register_tensors, server_round, toy_data
-from torch import nn
+from fl_test_utils import fit, four_clients, register_tensors, server_round, toy_data
 
 from fl_lightning.data.datamodule import FederatedDataModule, sample_clients
 from fl_lightning.federation import federation_of
 from fl_lightning.methods import FedAvg
-from fl_lightning.state import state_loader
 from fl_lightning.uploads import ClientUpload, RoundUploads
 
 
@@ -122,27 +118,23 @@ def test_one_trainer_batch_is_one_client_with_its_minibatches_sliced_on_the_devi
 @pytest.mark.parametrize("model", ["mlp", "mlp_bn"])
 def test_fit_runs_every_sampled_client_and_resets_momentum(monkeypatch, model):
     """Each sampled client starts from the round's global weights (batch-norm statistics too)
-    with empty optimizer state, loaded without load_state_dict's walk of the module tree."""
+    with empty optimizer state."""
     x, y = toy_data(n=24, size=4)
     dm = FederatedDataModule(dataset=register_tensors(x, y), num_clients=3, sample_ratio=1.0, local_epochs=1,
                              batch_size=8, partition="iid", min_size=1)
     method = FedAvg(model=model, data_spec=dm.spec)
     starts = []
     original = FedAvg.client_start
-    walks = []
-    method.model.load_state_dict = lambda *a, **k: walks.append(1) or nn.Module.load_state_dict(method.model, *a, **k)
 
     def spy(self, client, n):
-        before = len(walks)
         original(self, client, n)
         starts.append((client, len(self.optimizers().optimizer.state),
-                       all(torch.equal(v, self.global_weights[k]) for k, v in self.model.state_dict().items()),
-                       len(walks) - before))
+                       all(torch.equal(v, self.global_weights[k]) for k, v in self.model.state_dict().items())))
 
     monkeypatch.setattr(FedAvg, "client_start", spy)
     fit(method, dm, rounds=2)
     assert [s[0] for s in starts] == [0, 1, 2, 0, 1, 2]
-    assert all(n_state == 0 and fresh and not walked for _, n_state, fresh, walked in starts)
+    assert all(n_state == 0 and fresh for _, n_state, fresh in starts)
 
 
 def test_each_clients_train_loss_is_the_batch_weighted_mean_of_its_own_steps(monkeypatch):
@@ -176,9 +168,9 @@ def test_each_clients_train_loss_is_the_batch_weighted_mean_of_its_own_steps(mon
 
 
 def test_a_client_starts_from_and_drifts_from_the_round_start_in_the_tensors_the_model_has_now():
-    """The round start binds the global weights to the model's tensors once; a conversion that
-    gives the module new tensors (here its batch-norm buffers, through .double().float()) must
-    not leave clients loading into, or measuring, the old ones."""
+    """A conversion that gives the module new tensors (here its batch-norm buffers, through
+    .double().float()) after the round started must not leave clients loading into, or measuring,
+    the old ones."""
     x, y = toy_data(n=24, size=4)
     dm = FederatedDataModule(dataset=register_tensors(x, y), num_clients=2, sample_ratio=1.0, local_epochs=1,
                              batch_size=8, partition="iid", min_size=1)
@@ -199,51 +191,6 @@ def test_a_client_starts_from_and_drifts_from_the_round_start_in_the_tensors_the
     moved = {n: p.detach() - method.global_weights[n] for n, p in method.model.named_parameters()}
     expected = math.sqrt(sum(float((d.double() ** 2).sum()) for d in moved.values()))
     assert method.client_end().stats["drift"] == pytest.approx(expected, rel=1e-6)
-
-
-class _Counted(nn.Linear):
-    def __init__(self):
-        super().__init__(3, 2)
-        self.loads = 0
-
-    def get_extra_state(self):
-        return {"loads": self.loads}
-
-    def set_extra_state(self, state):
-        self.loads += 1
-
-
-def test_state_loader_copies_what_load_state_dict_would_and_defers_to_it_where_loading_does_more():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
-    model(torch.randn(5, 3))  # running statistics and num_batches_tracked move
-    state = {k: torch.randn_like(v.float()).to(v.dtype) + 3 for k, v in model.state_dict().items()}
-    load = state_loader(model, state)
-    assert not isinstance(load, functools.partial)  # plain layers and batch norm: copied
-    reference = copy.deepcopy(model)
-    reference.load_state_dict(state)
-    load()
-    assert_same_tensors(model.state_dict(), reference.state_dict())
-    state["0.weight"].mul_(2)  # the state as it is when loaded, not when the loader was made
-    load()
-    assert torch.equal(model[0].weight, state["0.weight"])
-
-    hooked = nn.Sequential(nn.Linear(3, 2))
-    calls = []
-    hooked.register_load_state_dict_post_hook(lambda module, keys: calls.append(1))
-    load = state_loader(hooked, {k: v + 1 for k, v in hooked.state_dict().items()})
-    load()
-    load()
-    assert len(calls) == 2  # the hook runs on every load
-
-    extra = nn.Sequential(_Counted())
-    load = state_loader(extra, extra.state_dict())
-    load()
-    assert extra[0].loads == 1  # set_extra_state, as load_state_dict calls it
-
-    partial = {k: v for k, v in model.state_dict().items() if k != "2.bias"}
-    with pytest.raises(RuntimeError, match="Missing key"):
-        state_loader(model, partial)()  # strict, as load_state_dict is
 
 
 def test_method_and_data_options_of_the_same_name_are_both_logged():

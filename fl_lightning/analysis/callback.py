@@ -458,7 +458,7 @@ class AnalysisCallback(L.Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(surface=self.surface, every_n_rounds=self.every_n_rounds)
+        return compat.callback_state_key(self, surface=self.surface, every_n_rounds=self.every_n_rounds)
 
     def state_dict(self) -> dict[str, Any]:
         return {"table_rows": self._table_rows, "spectrum_history": self._spectrum_history}

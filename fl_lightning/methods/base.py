@@ -81,6 +81,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fl_lightning import compat
 from fl_lightning.client_store import ClientStateStore
 from fl_lightning.data.datamodule import ClientWork
 from fl_lightning.data.datasets import DataSpec
@@ -365,7 +366,7 @@ class FederatedMethod(L.LightningModule):
         self.optimizers().optimizer.state.clear()
 
     def run_seed(self) -> int:
-        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        dm = getattr(compat.attached_trainer(self), "datamodule", None)
         return int(dm.hparams.seed) if dm is not None else 0
 
     def server_seed(self) -> int:
@@ -382,7 +383,8 @@ class FederatedMethod(L.LightningModule):
         """Gradients taken with torch.autograd.grad bypass DDP's all-reduce; average them here so
         every rank perturbs identically (a no-op on one device, and when the ranks train different
         clients: `--federation.parallel clients`)."""
-        if self._trainer is None or self._trainer.world_size == 1 or clients_in_parallel(self._trainer):
+        trainer = compat.attached_trainer(self)
+        if trainer is None or trainer.world_size == 1 or clients_in_parallel(trainer):
             return tensors
         return [self.trainer.strategy.reduce(t, reduce_op="mean") for t in tensors]
 
@@ -452,7 +454,7 @@ class FederatedMethod(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         # the files a checkpoint names are beside it, wherever this run writes its own
-        path = getattr(self._trainer, "ckpt_path", None) if self._trainer is not None else None
+        path = getattr(compat.attached_trainer(self), "ckpt_path", None)
         base = Path(path).parent / "client_states" if path else None
         self.client_states.load_checkpoint_state(checkpoint.get("fl_client_states", {"states": {}}), base=base)
 

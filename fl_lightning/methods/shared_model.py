@@ -17,7 +17,6 @@ from fl_lightning.evaluation import EvalResult, Evaluation, evaluate
 from fl_lightning.methods.base import NO_CONTEXT, FederatedMethod, LossContext, abstract_base
 from fl_lightning.methods.local_step import round_constraint
 from fl_lightning.models import FLModel, build_model
-from fl_lightning.state import state_loader
 from fl_lightning.uploads import WEIGHTS, ClientUpload, RoundUploads, ServerUpdate
 
 
@@ -53,8 +52,6 @@ class SharedModelMethod(FederatedMethod):
         self.val_eval = Evaluation(spec.num_classes, sync=True)
         self.test_eval = Evaluation(spec.num_classes, sync=True)
         self.global_weights: dict[str, torch.Tensor] | None = None
-        self._load_global_weights: Callable[[], None] | None = None  # _bind_global_weights
-        self._drift_pairs: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self._personal: list[str] | None = None
 
     def build_network(self, name: str, spec: DataSpec) -> FLModel:
@@ -79,7 +76,6 @@ class SharedModelMethod(FederatedMethod):
     def round_start(self, round_idx: int, clients: list[int]) -> None:
         super().round_start(round_idx, clients)
         self.global_weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        self._bind_global_weights()
         if self.needs_global_model:
             # eval(): a teacher's output should not depend on BN batch mode or dropout draws
             self.copies.get("teacher", self.model, self.global_weights, self.device)
@@ -96,26 +92,11 @@ class SharedModelMethod(FederatedMethod):
     def global_params(self) -> dict[str, torch.Tensor]:
         return {n: self.global_weights[n] for n, _ in self.model.named_parameters()}
 
-    def _bind_global_weights(self) -> None:
-        """Binds the round's global weights to the model's tensors for what every client does
-        with them, loading them at its start and measuring its drift from them at its end: once a
-        round rather than once a client (load_state_dict and named_parameters walk the module
-        tree each time); again after anything gives the module new tensors (`_apply`)."""
-        self._load_global_weights = state_loader(self.model, self.global_weights)
-        shared = [(p, self.global_weights[n]) for n, p in self.model.named_parameters() if n not in self.personal]
-        self._drift_pairs = ([p for p, _ in shared], [g for _, g in shared])
-
-    def _apply(self, fn, *args, **kwargs):
-        self._load_global_weights = self._drift_pairs = None  # bound to tensors `fn` may replace
-        return super()._apply(fn, *args, **kwargs)
-
     # ---- client -------------------------------------------------------------------------------
     def client_start(self, client: int, num_samples: int) -> None:
         self.current_client, self.current_num_samples = client, num_samples
         self.seed_client(client)
-        if self._load_global_weights is None:
-            self._bind_global_weights()
-        self._load_global_weights()
+        self.model.load_state_dict(self.global_weights)
         if self.personal:
             self.load_model_part(self.personal_state(client))
         self.reset_optimizer_state()
@@ -149,17 +130,12 @@ class SharedModelMethod(FederatedMethod):
 
     def distance_to_global(self) -> float:
         """||w_k - w_g||_2 over the shared parameters (a personal part has no global counterpart)."""
-        if self._drift_pairs is None:
-            self._bind_global_weights()
-        params, global_params = self._drift_pairs
-        if not params:
-            return 0.0
-        # one norm per tensor, then the norm of the norms: cheaper than squaring and summing
-        # every difference (and torch's norm accumulates more accurately); the foreach forms are
-        # the same per-tensor operations on the CPU in two calls rather than one per tensor
+        # one norm per tensor, then the norm of the norms (torch's norm accumulates more accurately
+        # than squaring and summing every difference): what torch's total gradient norm computes
         with torch.no_grad():
-            norms = torch._foreach_norm(torch._foreach_sub(params, global_params))
-        return float(torch.linalg.vector_norm(torch.stack(norms)))
+            differences = [p - self.global_weights[n] for n, p in self.model.named_parameters()
+                           if n not in self.personal]
+            return float(torch.nn.utils.get_total_norm(differences)) if differences else 0.0
 
     def local_model_stats(self, test_loader: Callable[[], Iterable], per_class: bool = False) -> dict[str, float]:
         result = self.evaluate(test_loader(), per_class=per_class)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from fl_lightning import loss_scaling
+from fl_lightning import compat, loss_scaling
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.shared_model import SharedModelMethod
 
@@ -60,7 +60,8 @@ class FedSAM(SharedModelMethod):
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         clean = F.cross_entropy(self.model(x), y)
-        scaler = loss_scaling.scaler_of(self._trainer)  # 16-mixed: float16 gradients scaled, as the step's
+        # 16-mixed: float16 gradients scaled, as the step's
+        scaler = loss_scaling.scaler_of(compat.attached_trainer(self))
         grads = self.mean_across_devices(list(loss_scaling.grad(clean, params, scaler)))
         eps = sam_perturbation(params, grads, self.hparams.rho, self.adaptive)
         perturbed = {n: p + e for (n, p), e in zip(named, eps, strict=True)}

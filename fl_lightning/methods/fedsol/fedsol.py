@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 
-from fl_lightning import loss_scaling
+from fl_lightning import compat, loss_scaling
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.base import abstract_base
 from fl_lightning.methods.shared_model import SharedModelMethod
@@ -248,8 +248,8 @@ class ProximalMethod(SharedModelMethod):
                ) -> list[torch.Tensor]:
         """d loss / d params (zeros where the loss does not depend on a tensor), averaged over devices."""
         # through 16-mixed's loss scaler: a small L_p's float16 gradients would underflow to zero
-        grads = loss_scaling.grad(loss, params, loss_scaling.scaler_of(self._trainer), retain_graph=retain_graph,
-                                  allow_unused=True)
+        scaler = loss_scaling.scaler_of(compat.attached_trainer(self))
+        grads = loss_scaling.grad(loss, params, scaler, retain_graph=retain_graph, allow_unused=True)
         grads = [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params, strict=True)]
         return self.mean_across_devices(grads)
 

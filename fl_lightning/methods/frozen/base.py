@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fl_lightning import compat
 from fl_lightning.errors import FLUserError
 from fl_lightning.evaluation import as_model_input, model_dtype
 from fl_lightning.methods.base import LossContext, abstract_base
@@ -74,6 +75,7 @@ class FixedClassifier(nn.Module):
         self.weight = nn.Parameter(weight.detach().to(torch.get_default_dtype(), copy=True), requires_grad=False)
         self.cosine = cosine
 
+    @compat.overrides_module_internal  # every dtype conversion goes through it
     def _apply(self, fn, recurse: bool = True):
         super()._apply(fn, recurse)
         if self.weight.dtype == torch.float64:
@@ -147,7 +149,7 @@ class FrozenClassifierMethod(SharedModelMethod):
 
     def client_start(self, client: int, num_samples: int) -> None:
         super().client_start(client, num_samples)
-        dm = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        dm = getattr(compat.attached_trainer(self), "datamodule", None)
         if dm is not None and hasattr(dm, "client_class_counts"):
             self.client_counts = torch.as_tensor(dm.client_class_counts(client), dtype=torch.float32,
                                                  device=self.device)

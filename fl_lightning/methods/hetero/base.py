@@ -120,7 +120,8 @@ class HeteroMethod(FederatedMethod):
         (Lightning re-seeds each process as it joins), and the initial models must not depend on
         that. With clients in parallel every process takes rank 0's."""
         h = self.hparams
-        parallel = self._trainer is not None and clients_in_parallel(self.trainer)
+        trainer = compat.attached_trainer(self)
+        parallel = trainer is not None and clients_in_parallel(trainer)
         seed = int(os.environ.get("PL_GLOBAL_SEED", torch.initial_seed()))
         self._architecture_modules = {}
         with torch.random.fork_rng(devices=[]):
@@ -128,9 +129,9 @@ class HeteroMethod(FederatedMethod):
             for client in range(num_clients):
                 architecture = self.client_architecture(client)
                 model = build_group_model(architecture, h.data_spec, h.feature_dim)
-                if self._trainer is not None:  # in the precision's dtype (float64 for 64-true), as
+                if trainer is not None:  # in the precision's dtype (float64 for 64-true), as
                     # Lightning converts the module itself; client models are not its submodules
-                    model = self.trainer.precision_plugin.convert_module(model)
+                    model = trainer.precision_plugin.convert_module(model)
                 if store:
                     if parallel:
                         compat.sync_module_states(model)

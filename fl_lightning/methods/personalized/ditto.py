@@ -98,7 +98,7 @@ class Ditto(SharedModelMethod):
         scale is shared with the global track, so it is updated twice per local batch)."""
         loss = self.personal_loss(batch)
         opt = self._personal_opt
-        scaler = loss_scaling.scaler_of(self._trainer)
+        scaler = loss_scaling.scaler_of(compat.attached_trainer(self))
         compat.release_gradients(opt)
         (loss if scaler is None else scaler.scale(loss)).backward()
         params = [p for p in self.personal_track.parameters() if p.grad is not None]

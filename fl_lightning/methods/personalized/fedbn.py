@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from fl_lightning import compat
 from fl_lightning.errors import FLUserError
 from fl_lightning.methods.shared_model import SharedModelMethod
 
@@ -27,6 +28,5 @@ class FedBN(SharedModelMethod):
                               f"choose a model with BatchNorm (e.g. resnet18, mlp_bn)")
 
     def personal_keys(self, model: nn.Module) -> list[str]:
-        norm = (nn.modules.batchnorm._BatchNorm,)
         return [f"{name}.{key}" if name else key for name, module in model.named_modules()
-                if isinstance(module, norm) for key in module.state_dict()]
+                if compat.is_batch_norm(module) for key in module.state_dict()]

@@ -105,7 +105,7 @@ class PerFedAvg(SharedModelMethod):
         if keep_buffers:
             tensors.update({n: b.clone() for n, b in self.model.named_buffers()})
         loss = F.cross_entropy(functional_call(self.model, tensors, (x,), strict=False), y)
-        grads = loss_scaling.grad(loss, list(leaves.values()), loss_scaling.scaler_of(self._trainer))
+        grads = loss_scaling.grad(loss, list(leaves.values()), loss_scaling.scaler_of(compat.attached_trainer(self)))
         return dict(zip(leaves, self.mean_across_devices(list(grads)), strict=True))
 
     def hessian_vector_product(self, v: dict[str, torch.Tensor], x, y) -> dict[str, torch.Tensor]:
@@ -127,7 +127,8 @@ class PerFedAvg(SharedModelMethod):
         outer = F.cross_entropy(functional_call(self.model, temp, (x2,), strict=False), y2)
         if self.hparams.variant == "fo":
             return outer, outer
-        g2 = loss_scaling.grad(outer, list(w.values()), loss_scaling.scaler_of(self._trainer), retain_graph=True)
+        scaler = loss_scaling.scaler_of(compat.attached_trainer(self))
+        g2 = loss_scaling.grad(outer, list(w.values()), scaler, retain_graph=True)
         g2 = dict(zip(w, self.mean_across_devices([g.detach() for g in g2]), strict=True))
         hv = self.hessian_vector_product(g2, x1, y1)
         correction = sum((p * hv[n]).sum() for n, p in w.items())  # gradient: hv
