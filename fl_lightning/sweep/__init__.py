@@ -44,7 +44,6 @@ from fl_lightning.errors import FLUserError, OneLineArgumentParser
 from fl_lightning.sweep.agents import agent_commands, agent_run_dir_args, online, require_online
 from fl_lightning.sweep.commands import (
     PlannedRun,
-    canonical,
     cli_parser,
     display_value,
     fl_args,
@@ -64,19 +63,18 @@ from fl_lightning.sweep.local import (
     error_line,
     gpu_indices,
     parse_gpus,
-    read_json,
-    read_record,
-    recorded_names,
     run_state,
     warm_workers,
     worker_envs,
 )
+from fl_lightning.sweep.records import read_json, read_record, recorded_names
 from fl_lightning.sweep.spec import (
     DISTRIBUTIONS,
     NUMERIC_DISTRIBUTIONS,
     SEARCH_METHODS,
     SEED_KEYS,
     Spec,
+    canonical,
     distribution_of,
     expand,
     load_spec,

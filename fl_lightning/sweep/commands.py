@@ -18,13 +18,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fl_lightning.errors import FLUserError
-from fl_lightning.sweep.spec import Spec, expand
+from fl_lightning.sweep.records import recorded_names
+from fl_lightning.sweep.spec import Spec, canonical, expand
 
 
 @dataclass
@@ -89,11 +89,6 @@ def varying_keys(spec: Spec) -> list[str]:
     return out
 
 
-def canonical(value: Any) -> str:
-    """A value as the sweep's records store it (JSON), to compare a planned value with a recorded one."""
-    return json.dumps(value, sort_keys=True, default=str)
-
-
 def run_names(spec: Spec, param_sets: list[dict]) -> list[str]:
     """Readable, unique, stable directory names: `config=fedsol,seed=0` for a grid, naming only the
     parameters that vary (all of them where none does); random runs are numbered (`r000,...`)
@@ -115,7 +110,6 @@ def name_runs(spec: Spec, root: Path, seed: int = 0, count: int | None = None) -
     """Each run's directory name and parameter set, without building or parsing a command (so a
     sweep whose runs are all over says so at once). A run the sweep below `root` recorded under
     another name keeps it (`keep_recorded_names`)."""
-    from fl_lightning.sweep.local import recorded_names  # local.py imports this module
 
     param_sets = expand(spec, seed=seed, count=count)
     if not param_sets:

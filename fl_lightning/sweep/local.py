@@ -33,44 +33,13 @@ import yaml
 from fl_lightning.atomic import atomic_write_bytes
 from fl_lightning.errors import FLUserError
 from fl_lightning.outcome import Outcome, read_outcome
-from fl_lightning.sweep.commands import PlannedRun, canonical
+from fl_lightning.sweep.commands import PlannedRun
+from fl_lightning.sweep.records import read_json, read_record
 from fl_lightning.sweep.spec import Spec
 from fl_lightning.warm import WarmWorker
 
 # ---------------------------------------------------------------------------------------------
 # Run state on disk
-
-
-def read_json(path: Path) -> dict | None:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
-def read_record(path: Path) -> dict | None:
-    """A local sweep's record of one run (`.sweep/<run>.json`), the one reader of them: fields of
-    the wrong type count as absent, so a damaged record never stops a sweep or a report (the run
-    directory decides whether a run is done)."""
-    record = read_json(path)
-    if record is None:
-        return None
-    kinds = {"params": dict, "index": int, "status": str, "error": str, "exit_code": int, "attempts": int}
-    return {k: v for k, v in record.items()
-            if k not in kinds or (isinstance(v, kinds[k]) and not isinstance(v, bool))}
-
-
-def recorded_names(sweep_dir: Path) -> dict[str, list[str]]:
-    """The names under which the sweep in `sweep_dir` recorded its runs (`.sweep/<name>.json`), by
-    their canonical parameters: how a sweep finds its runs again when it names new runs otherwise
-    than the version that started them."""
-    found: dict[str, list[str]] = {}
-    for path in sorted((sweep_dir / ".sweep").glob("*.json")):
-        record = read_record(path)
-        if record is not None and "params" in record:
-            found.setdefault(canonical(record["params"]), []).append(path.stem)
-    return found
 
 
 def run_state(run_dir: Path) -> str:

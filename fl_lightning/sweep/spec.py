@@ -14,6 +14,7 @@ random search supports. Bayes search needs the server and is not expanded here.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -220,3 +221,8 @@ def _sample(spec: Spec, key: str, p: dict, rng: np.random.Generator):
         x = rng.uniform(lo, hi) if dist == "q_uniform" else math.exp(rng.uniform(math.log(lo), math.log(hi)))
         return float(round(x / q) * q)
     return float(rng.normal(p.get("mu", 0.0), p.get("sigma", 1.0)))
+
+
+def canonical(value: Any) -> str:
+    """A value as the sweep's records store it (JSON), to compare a planned value with a recorded one."""
+    return json.dumps(value, sort_keys=True, default=str)
