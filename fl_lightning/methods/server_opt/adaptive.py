@@ -37,9 +37,21 @@ class AdaptiveServerMethod(SharedModelMethod):
             raise FLUserError(f"{type(self).__name__} needs 0 <= beta1, beta2 < 1 and tau > 0, got beta1={beta1}, "
                               f"beta2={beta2}, tau={tau}")
         self.save_hyperparameters()
-        zeros = trainable_zeros(self.model)
-        self.server.tensors("m", zeros)
-        self.server.tensors("v", {n: torch.full_like(z, tau**2) for n, z in zeros.items()})
+        self.server.tensors("m", trainable_zeros(self.model))
+        self.server.tensors("v", self._initial_v())
+
+    def _initial_v(self) -> dict[str, torch.Tensor]:
+        """v_{-1} = tau^2 in the model's current dtype: tau^2 is not a binary fraction, so made in
+        float32 and converted it would differ from the float64 formula."""
+        return {n: torch.full_like(p, self.hparams.tau**2) for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def setup(self, stage: str) -> None:
+        # The round callback converts the module to the run's precision (float64 under 64-true)
+        # before this hook and a checkpoint is restored after it: v_{-1} is made again here, in
+        # that dtype, unless this module has already run rounds.
+        super().setup(stage)
+        if self.round_idx < 0:
+            self.server.assign({"v": self._initial_v()})
 
     def second_moment(self, v: torch.Tensor, delta_sq: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
