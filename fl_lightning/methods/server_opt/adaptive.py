@@ -8,7 +8,12 @@ update as a pseudo-gradient and steps with momentum and a per-coordinate second 
     w_{t+1} = w_t + eta m_t / (sqrt(v_t) + tau)         (eta: server_lr)
 
 on the trainable parameters; buffers (BatchNorm statistics) are averaged as in FedAvg. As in the
-paper's Algorithm 2 there is no bias correction. m and v are server state.
+paper's Algorithm 2 there is no bias correction and v starts at tau^2 (Flower, FL-bench and the
+Keras optimizers of the authors' code start it at 0). m and v are server state.
+
+Each method's docstring gives its defaults with their sources; the paper tunes the server's step
+size and tau per task, and docs/reference/method-defaults.md shows what the defaults do on the
+offline demo setting.
 """
 
 from __future__ import annotations
