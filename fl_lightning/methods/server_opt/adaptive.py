@@ -8,7 +8,12 @@ update as a pseudo-gradient and steps with momentum and a per-coordinate second 
     w_{t+1} = w_t + eta m_t / (sqrt(v_t) + tau)         (eta: server_lr)
 
 on the trainable parameters; buffers (BatchNorm statistics) are averaged as in FedAvg. As in the
-paper's Algorithm 2 there is no bias correction. m and v are server state.
+paper's Algorithm 2 there is no bias correction and v starts at tau^2 (Flower, FL-bench and the
+Keras optimizers of the authors' code start it at 0). m and v are server state.
+
+Each method's docstring gives its defaults with their sources; the paper tunes the server's step
+size and tau per task, and docs/reference/method-defaults.md shows what the defaults do on the
+offline demo setting.
 """
 
 from __future__ import annotations
@@ -38,9 +43,21 @@ class AdaptiveServerMethod(SharedModelMethod):
             raise FLUserError(f"{type(self).__name__} needs 0 <= beta1, beta2 < 1 and tau > 0, got beta1={beta1}, "
                               f"beta2={beta2}, tau={tau}")
         self.save_hyperparameters()
-        zeros = trainable_zeros(self.model)
-        self.server.tensors("m", zeros)
-        self.server.tensors("v", {n: torch.full_like(z, tau**2) for n, z in zeros.items()})
+        self.server.tensors("m", trainable_zeros(self.model))
+        self.server.tensors("v", self._initial_v())
+
+    def _initial_v(self) -> dict[str, torch.Tensor]:
+        """v_{-1} = tau^2 in the model's current dtype: tau^2 is not a binary fraction, so made in
+        float32 and converted it would differ from the float64 formula."""
+        return {n: torch.full_like(p, self.hparams.tau**2) for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def setup(self, stage: str) -> None:
+        # The round callback converts the module to the run's precision (float64 under 64-true)
+        # before this hook and a checkpoint is restored after it: v_{-1} is made again here, in
+        # that dtype, unless this module has already run rounds.
+        super().setup(stage)
+        if self.round_idx < 0:
+            self.server.assign({"v": self._initial_v()})
 
     def second_moment(self, v: torch.Tensor, delta_sq: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

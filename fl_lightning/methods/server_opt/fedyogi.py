@@ -12,8 +12,16 @@ from fl_lightning.methods.server_opt.adaptive import AdaptiveServerMethod
 class FedYogi(AdaptiveServerMethod):
     """FedYogi (Reddi et al., ICLR 2021): a Yogi server step on the average client update.
 
+    Defaults: server_lr 1e-2, beta1 0.9, beta2 0.99, tau 1e-3, as for FedAdam: Reddi et al.'s best
+    server lr for FedYogi is FedAdam's on every task (10^-2.5 to 1; 10^-2 on Shakespeare and Stack
+    Overflow next-word prediction), their recommended tau 1e-3 (hyperparameter notes in
+    google-research/federated, optimization/docs/hyperparameters.md). Flower's FedYogi ships the
+    same eta 1e-2, beta 0.9/0.99 and tau 1e-3; FL-bench's FedOpt ships server lr 0.1, beta
+    0.9/0.999, tau 1e-3; both start v at 0. These defaults train on the offline demo setting
+    (docs/reference/method-defaults.md).
+
     Args:
-        server_lr: the server's step size eta (the paper tunes it per task; 1e-2 is a common choice).
+        server_lr: the server's step size eta (the paper tunes it per task).
         beta1, beta2, tau: see AdaptiveServerMethod (paper: 0.9, 0.99, 1e-3).
     """
 
