@@ -117,9 +117,10 @@ def all_finite(tensors: Mapping[str, torch.Tensor] | ClientUpload) -> bool:
 
     A tensor's sum is finite only if every element is (a NaN or inf in it makes the sum NaN or
     inf), and so is a sum of such sums: a finite total settles it without testing every element
-    (one reduction instead of a comparison per element); only a total that is not finite (which finite elements can give by
-    overflowing) is checked element by element. (One running total rather than a stack of the
-    sums: two fewer tensor operations, in a check run after every client.)"""
+    (one reduction instead of a comparison per element); only a total that is not finite (which
+    finite elements can give by overflowing) is checked element by element. (One running total
+    rather than a stack of the sums: two fewer tensor operations, in a check run after every
+    client.)"""
     values = tensors.all_tensors() if isinstance(tensors, ClientUpload) else tensors.values()
     floats = [t for t in values if torch.is_floating_point(t)]
     if not floats:
