@@ -28,7 +28,7 @@ method's accuracy, and the personalised accuracy after the last round with its o
 A chance level is the accuracy of always answering the majority class: of the global test set, or
 summed over clients on their own test sets, each client answering its most frequent training
 class. A method is flagged "AT CHANCE" when its best round, and its personalised accuracy if it
-has one, are within 2 points of their chance levels.
+has one, are below their chance levels or within 2 points above them.
 
 A finished run is not run again (delete its directory, or pass --rerun), so an interrupted
 benchmark continues where it stopped.
