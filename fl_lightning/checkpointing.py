@@ -42,6 +42,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from fl_lightning.atomic import atomic_write_bytes
 from fl_lightning.client_store import ClientStateStore
+from fl_lightning.config_files import flatten_options
 from fl_lightning.data.datasets import DataSpec
 from fl_lightning.errors import FLUserError
 
@@ -303,15 +304,6 @@ RESUMABLE_OPTIONS = (
 )
 
 
-def _flat(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, Mapping):
-        out: dict[str, Any] = {}
-        for key, value in tree.items():
-            out.update(_flat(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
 def _may_change_on_resume(key: str) -> bool:
     return any(key == option or key.startswith(option + ".") for option in RESUMABLE_OPTIONS)
 
@@ -324,11 +316,11 @@ def check_resume_options(path: str | Path, run_config: Path, requested_yaml: str
     if not run_config.is_file():
         return  # a checkpoint carried away from its run: check_compatible has checked what it holds
     try:
-        saved = _flat(yaml.safe_load(run_config.read_text()) or {})
+        saved = flatten_options(yaml.safe_load(run_config.read_text()) or {})
     except (OSError, yaml.YAMLError) as err:
         raise FLUserError(f"--ckpt_path {path}: the run's {run_config} cannot be read ({type(err).__name__}); "
                           f"the resume is checked against it") from None
-    requested = _flat(yaml.safe_load(requested_yaml) or {})
+    requested = flatten_options(yaml.safe_load(requested_yaml) or {})
     changed = [key for key in sorted(set(saved) | set(requested))
                if not _may_change_on_resume(key) and saved.get(key) != requested.get(key)]
     if changed:

@@ -17,7 +17,9 @@ configs/ when there is one).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -141,3 +143,14 @@ def run_name_from_configs(config_files: list, method: str | None = None) -> str 
     if len(stems) == 1:
         return f"{stems[0]}/{method.lower()}" if method else stems[0]
     return f"{stems[0]}/{'+'.join(stems[1:])}"
+
+
+def flatten_options(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """A config's nested sections as dotted options (`{"trainer": {"max_epochs": 3}}` ->
+    `{"trainer.max_epochs": 3}`), the form in which a run's options are compared."""
+    if isinstance(tree, Mapping):
+        out: dict[str, Any] = {}
+        for key, value in tree.items():
+            out.update(flatten_options(value, f"{prefix}{key}."))
+        return out
+    return {prefix[:-1]: tree}

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from fl_lightning.config_files import expand_layers
+from fl_lightning.config_files import expand_layers, flatten_options
 from fl_lightning.errors import FLUserError
 from fl_lightning.outcome import Outcome, read_outcome
 from fl_lightning.report_records import record_damage
@@ -76,19 +76,10 @@ class Row:
         return [r for r in self.runs if r.status in FINAL_STATES]
 
 
-def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out = {}
-        for k, v in tree.items():
-            out.update(flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: tree}
-
-
 def _read_config(run_dir: Path) -> dict[str, Any]:
     cfg = run_dir / "config.yaml"
     try:
-        return flatten(yaml.safe_load(cfg.read_text()) or {}) if cfg.exists() else {}
+        return flatten_options(yaml.safe_load(cfg.read_text()) or {}) if cfg.exists() else {}
     except (yaml.YAMLError, OSError):
         return {}
 
@@ -198,7 +189,7 @@ def config_options(file: str) -> dict[str, Any] | None:
     options: dict[str, Any] = {}
     for doc in docs:
         if isinstance(doc, dict):
-            options.update(flatten({**doc, "model": {"class_path": doc["model"]}}
+            options.update(flatten_options({**doc, "model": {"class_path": doc["model"]}}
                                    if isinstance(doc.get("model"), str) else doc))
     return options or None
 
