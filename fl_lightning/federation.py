@@ -138,9 +138,7 @@ class FederatedCallback(L.Callback):
         if not collective_timeout > 0:
             raise FLUserError(f"federation.collective_timeout must be > 0 seconds, got {collective_timeout}")
         self.eval_local_models, self.local_eval_samples = eval_local_models, local_eval_samples
-        self.on_divergence = on_divergence
-        self.collapse_rounds, self.on_collapse = collapse_rounds, on_collapse
-        self.policy = Policy(on_divergence, on_collapse, collapse_rounds)
+        self.policy = Policy(on_divergence, on_collapse, collapse_rounds)  # what the round's facts decide
         self.client_cache_size, self.parallel = client_cache_size, parallel
         self.collective_timeout = collective_timeout
         self.record = OutcomeRecord()
@@ -264,7 +262,7 @@ class FederatedCallback(L.Callback):
             facts = replace(facts, refused_elsewhere=True)
         decision = decide(facts, self.policy)
         if decision.stops:
-            self._apply(trainer, pl_module, decision)
+            self._apply(trainer, pl_module, decision, facts)
             return
         pl_module.apply_server_update(update)
         self.round_report.uploads = uploads.gathered() if self.share_round_uploads else list(self._uploads)
@@ -321,17 +319,16 @@ class FederatedCallback(L.Callback):
         """True when every process says ok (one reduction; every process gets the same answer)."""
         return bool(trainer.strategy.reduce_boolean_decision(bool(ok), all=True))
 
-    def _apply(self, trainer, pl_module, decision: Decision) -> None:
-        """Records the decision's marks and, for a stop, ends the run after this round
-        (EarlyStopping's way: `should_stop`, not an exception)."""
+    def _apply(self, trainer, pl_module, decision: Decision, facts: RoundFacts) -> None:
+        """Records the decision's marks (where: the round's) and, for a stop, ends the run after
+        this round (EarlyStopping's way: `should_stop`, not an exception)."""
         for outcome, message in decision.marks:
             if outcome.value not in self.record.marks:
-                self.record.marks[outcome.value] = f"round {self.round_report.round}/{trainer.max_epochs}, method " \
-                                                   f"{type(pl_module).__name__}"
+                self.record.marks[outcome.value] = facts.where()
                 rank_zero_info(message)
         if not decision.stops:
             return
-        self.record = OutcomeRecord(decision.outcome, decision.reason, self.round_report.round, stopped=True,
+        self.record = OutcomeRecord(decision.outcome, decision.reason, facts.round, stopped=True,
                                     marks=dict(self.record.marks))
         trainer.should_stop = True
         if not decision.round_completed:
@@ -372,10 +369,10 @@ class FederatedCallback(L.Callback):
                            test_loss=loss,
                            test_loss_finite=loss is None or self._agreed(trainer, math.isfinite(loss)))
         decision = decide(facts, self.policy)
-        if not decision.stops and acc is not None and self.collapse_rounds and self._collapsed(trainer, acc):
+        if not decision.stops and acc is not None and self.policy.collapse_rounds and self._collapsed(trainer, acc):
             decision = decide(replace(facts, collapse=Collapse(self.chance_accuracy(trainer), self.best.value)),
                               self.policy)
-        self._apply(trainer, pl_module, decision)
+        self._apply(trainer, pl_module, decision, facts)
         if decision.stops:
             return
         if round_number >= trainer.max_epochs:
@@ -402,7 +399,8 @@ class FederatedCallback(L.Callback):
         chance = self.chance_accuracy(trainer)
         learned = self.best.value >= chance + 0.1
         self._rounds_at_chance = self._rounds_at_chance + 1 if learned and acc <= chance + 0.01 else 0
-        confirmed = self._rounds_at_chance >= self.collapse_rounds and Outcome.FAILED.value not in self.record.marks
+        confirmed = (self._rounds_at_chance >= self.policy.collapse_rounds
+                     and Outcome.FAILED.value not in self.record.marks)
         return not self._agreed(trainer, not confirmed)
 
     # ---- checkpoints --------------------------------------------------------------------------
