@@ -58,7 +58,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from fl_lightning import methods  # noqa: E402
-from fl_lightning.comparison import read_metrics  # noqa: E402
+from fl_lightning.comparison import DamagedRecords, read_metrics  # noqa: E402
 from fl_lightning.methods.base import FederatedMethod, SharedModelMethod  # noqa: E402
 
 SETTINGS = REPO / "configs" / "settings"
@@ -176,7 +176,7 @@ def result(run_dir: Path) -> dict:
     key = summary.get("accuracy") or "global/test_acc"
     try:
         rows = read_metrics(run_dir / "metrics.csv")
-    except (OSError, ValueError, KeyError):
+    except DamagedRecords:
         rows = []
     curve = [r[key] for r in rows if key in r and math.isfinite(r[key])]
     return {"outcome": summary.get("outcome", "?"), "key": key, "rounds": summary.get("rounds_completed"),

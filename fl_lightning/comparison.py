@@ -22,6 +22,7 @@ import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import yaml
@@ -35,16 +36,52 @@ FEW_SEEDS_NOTE = ("(an interval over fewer than 3 seeds estimates the spread fro
                   "width nor its sign can be trusted; run 3 or more seeds)")
 
 
+class DamagedRecords(Exception):
+    """Why a run's records cannot be counted (one phrase, shown after the run's name)."""
+
+
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
-    """The rows of a metrics.csv (or clients.csv), numbers as floats (`round` as int); empty cells
-    left out. (Here rather than in results.py, so that `report` reads runs without Lightning.)"""
-    with open(path, newline="") as f:
-        rows = []
-        for row in csv.DictReader(f):
-            parsed = {k: float(v) for k, v in row.items() if v not in ("", None)}
-            parsed["round"] = int(parsed["round"])
-            rows.append(parsed)
-    return rows
+    """The rows of a metrics.csv (or clients.csv) as `results.py` writes them, numbers as floats
+    (`round` as int), empty cells left out; or DamagedRecords: the writer ends every line, gives
+    every row the header's cells and writes only numbers, so a file that breaks any of these was cut
+    (a full disk, an interrupted copy) or edited, and a number read from it may not be the one the
+    run measured (`0.6519` cut to `0.65` still reads as a number). (Here rather than in results.py,
+    so that `report` reads runs without Lightning.)"""
+    path = Path(path)
+    name = path.name
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise DamagedRecords(f"{name} is missing") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise DamagedRecords(f"{name} cannot be read ({getattr(err, 'strerror', None) or err})") from None
+    if not text:
+        raise DamagedRecords(f"{name} is empty")
+    if not text.endswith("\n"):
+        raise DamagedRecords(f"{name}'s last line is cut short (it has no line end)")
+    try:
+        header, *lines = list(csv.reader(io.StringIO(text)))
+    except csv.Error as err:
+        raise DamagedRecords(f"{name} is not a CSV file ({err})") from None
+    if not header or header[0] != "round":
+        raise DamagedRecords(f"{name}'s first line is not its header (round, then the metrics)")
+    return [_parse_row(name, header, cells, number) for number, cells in enumerate(lines, start=2)]
+
+
+def _parse_row(name: str, header: list[str], cells: list[str], number: int) -> dict[str, float]:
+    if len(cells) != len(header):
+        raise DamagedRecords(f"{name} line {number} has {len(cells)} cells, its header {len(header)}")
+    row: dict[str, Any] = {}
+    for column, cell in zip(header, cells, strict=True):
+        try:
+            if cell != "":
+                row[column] = float(cell)
+        except ValueError:
+            raise DamagedRecords(f"{name} line {number}: {column} is {cell!r}, not a number") from None
+    if not float(row.get("round", 0.5)).is_integer():
+        raise DamagedRecords(f"{name} line {number}: round is {cells[0]!r}, not a round number")
+    row["round"] = int(row["round"])
+    return row
 
 
 def accuracy_key(summary: dict | None) -> str:
@@ -56,7 +93,7 @@ def curve(run_dir: Path, summary: dict | None) -> dict[int, float]:
     key = accuracy_key(summary)
     try:
         rows = read_metrics(run_dir / "metrics.csv")
-    except (OSError, ValueError, KeyError):
+    except DamagedRecords:
         return {}
     return {int(r["round"]): float(r[key]) for r in rows if key in r and math.isfinite(float(r[key]))}
 

@@ -9,57 +9,13 @@ another final or best accuracy): a number read from it may not be the one the ru
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 from pathlib import Path
 from typing import Any
 
-from fl_lightning.comparison import accuracy_key
+__all__ = ["DamagedRecords", "record_damage"]
 
-
-class DamagedRecords(Exception):
-    """Why a run's records cannot be counted (one phrase, shown after the run's name)."""
-
-
-def read_rounds(path: Path) -> list[dict[str, float]]:
-    """The rows of a metrics.csv as `results.py` writes them, or DamagedRecords: the writer ends
-    every line, gives every row the header's cells and writes only numbers, so a file that breaks
-    any of these was cut (a full disk, an interrupted copy) or edited, and a number read from it
-    may not be the one the run measured (`0.6519` cut to `0.65` still reads as a number)."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise DamagedRecords("metrics.csv is missing") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise DamagedRecords(f"metrics.csv cannot be read ({getattr(err, 'strerror', None) or err})") from None
-    if not text:
-        raise DamagedRecords("metrics.csv is empty")
-    if not text.endswith("\n"):
-        raise DamagedRecords("metrics.csv's last line is cut short (it has no line end)")
-    try:
-        header, *lines = list(csv.reader(io.StringIO(text)))
-    except csv.Error as err:
-        raise DamagedRecords(f"metrics.csv is not a CSV file ({err})") from None
-    if not header or header[0] != "round":
-        raise DamagedRecords("metrics.csv's first line is not its header (round, then the metrics)")
-    return [_parse_row(header, cells, number) for number, cells in enumerate(lines, start=2)]
-
-
-def _parse_row(header: list[str], cells: list[str], number: int) -> dict[str, float]:
-    if len(cells) != len(header):
-        raise DamagedRecords(f"metrics.csv line {number} has {len(cells)} cells, its header {len(header)}")
-    row: dict[str, Any] = {}
-    for column, cell in zip(header, cells, strict=True):
-        try:
-            if cell != "":
-                row[column] = float(cell)
-        except ValueError:
-            raise DamagedRecords(f"metrics.csv line {number}: {column} is {cell!r}, not a number") from None
-    if not float(row.get("round", 0.5)).is_integer():
-        raise DamagedRecords(f"metrics.csv line {number}: round is {cells[0]!r}, not a round number")
-    row["round"] = int(row["round"])
-    return row
+from fl_lightning.comparison import DamagedRecords, accuracy_key, read_metrics
 
 
 def record_damage(run_dir: Path, summary: dict | None) -> str | None:
@@ -67,7 +23,7 @@ def record_damage(run_dir: Path, summary: dict | None) -> str | None:
     summary.json says: every round it records completed (1, 2, ...), its last row (`last`), and
     the final and best accuracy with their rounds. Fields an older summary lacks are not checked."""
     try:
-        rows = read_rounds(run_dir / "metrics.csv")
+        rows = read_metrics(run_dir / "metrics.csv")
     except DamagedRecords as err:
         return str(err)
     summary = summary or {}
