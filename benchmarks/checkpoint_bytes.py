@@ -7,7 +7,7 @@ held every client's model: FedORGP on 20 HMG3 clients (4-layer CNN, GoogLeNet, M
 Per round it prints the checkpoint file's size plus the client-model files the store wrote, and
 the size the old format would have had (the checkpoint plus every client's model state). The
 first round writes every model once (nothing is on disk yet); after that only the clients that
-trained. Issue 10's target: <= 30% of the old checkpoint per round.
+trained. The target: <= 30% of the old checkpoint per round.
 """
 
 from __future__ import annotations

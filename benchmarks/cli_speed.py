@@ -1,4 +1,4 @@
-"""How long the CLI itself takes, whole processes, interleaved, medians (issue 20's targets):
+"""How long the CLI itself takes, whole processes, interleaved, medians, against the targets:
 
 - `fl-lightning --help` and `fl-lightning fit --help` within 1.5 s of `python -c "import lightning.pytorch"`
   (the floor of anything that builds the Lightning CLI);

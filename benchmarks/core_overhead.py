@@ -1,5 +1,5 @@
 """What the core costs on top of the arithmetic: fl-lightning against a plain PyTorch loop doing
-the same math on the same clients and the same batches, one thread, in one run (issue 22).
+the same math on the same clients and the same batches, one thread, in one run.
 
 The plain side loops over mini-batches sliced from the training tensors before its timer starts, so
 it pays for nothing but the model's forward/backward/step, the per-client reset and upload copy,
@@ -18,7 +18,7 @@ round of every run is dropped as warm-up.
 for the whole run, the same math through the public path it bypasses: run with and without it,
 alternating, to measure what it saves.
 
-Regimes (issue 22's targets in brackets):
+Regimes (the targets in brackets):
   (i)   overhead-bound, the user's run: `fl-lightning fit` (in this process) with every default of
         configs/settings/mnist5k.yaml left on (divergence statistics and their class-wise heatmap,
         local models evaluated on 300 test digits, the round checkpoint, metrics.csv / clients.csv /

@@ -1,4 +1,4 @@
-"""Time to the first round (issue 22, target 3): from starting the process to the end of round 1's
+"""Time to the first round: from starting the process to the end of round 1's
 evaluation, `fl-lightning fit` on the demo setting (configs/settings/mnist5k.yaml with FedAvg, as
 the user starts it: W&B offline, checkpoint, results files, analyses' defaults) against a plain
 PyTorch script that imports torch, loads the same MNIST-5k arrays (the project's cache file),

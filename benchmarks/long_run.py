@@ -1,4 +1,4 @@
-"""Does a round cost the same at round 400 as at round 10? (issue 22: the round's fixed costs.)
+"""Does a round cost the same at round 400 as at round 10? (the round's fixed costs.)
 A `fl-lightning fit` in this process with every default on (metrics.csv, clients.csv and
 summary.json rewritten each round, the round checkpoint, W&B offline, the analyses' defaults),
 FedAvg with the `mlp` on the 8x8 digits, 10 clients a round, one local epoch: a run whose rounds

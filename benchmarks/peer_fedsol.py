@@ -1,5 +1,5 @@
 """FedAvg per round: fl-lightning against the official FedSOL code (Lee-Gihun/FedSOL, the paper's
-authors) doing the same work, one thread, in one process, round by round (issue 22's target:
+authors) doing the same work, one thread, in one process, round by round (the target:
 no slower). The official code is not part of this project: pass a checkout of it (written against
 its commit ebc3f64; the harness replaces three of its private methods, which a later version may
 rename).

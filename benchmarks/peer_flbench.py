@@ -1,5 +1,5 @@
 """FedAvg per round: fl-lightning against FL-bench (KarhouTam/FL-bench) doing the same work, one
-thread, in one process, round by round (issue 22's target: no slower). FL-bench is not part of
+thread, in one process, round by round (the target: no slower). FL-bench is not part of
 this project: pass a checkout of it, and a directory holding the packages its modules import that
 this project does not install (ray is not needed: FL-bench's serial mode, the one timed here, never
 calls it, and a stand-in module takes its import). Written against FL-bench's commit 06e658b: the

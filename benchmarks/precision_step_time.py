@@ -1,5 +1,5 @@
 """Local-step time of the FedAvg CNN on MNIST-5k by Trainer precision, on this machine's CPU
-(issue 21: bf16-mixed against 32-true). One thread, rounds timed start to start (the first round
+(bf16-mixed against 32-true). One thread, rounds timed start to start (the first round
 of every run dropped as warm-up), precisions interleaved over repeats, medians.
 
     PYTHONPATH=. python benchmarks/precision_step_time.py [--repeats 2] [--rounds 3]

@@ -1,6 +1,6 @@
 """The fixed per-round costs any Lightning-based implementation with fl-lightning's defaults pays,
 each measured alone (CPU ms, one thread, medians), against which benchmarks/core_overhead.py's
-(i) ratio is read (issue 22): an empty Lightning round (10 batches, the training DataLoader
+(i) ratio is read: an empty Lightning round (10 batches, the training DataLoader
 rebuilt every round, a 2-batch validation loop whose DataLoader is kept, as the project does; and
 rebuilt too, Lightning's way with `reload_dataloaders_every_n_epochs=1`), a W&B offline history
 row of 40 scalars, the clients table of 10 rounds of 10 clients that every 10th row also carries,

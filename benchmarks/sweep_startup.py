@@ -1,4 +1,4 @@
-"""What a local sweep pays per run beyond training (issue 22, target 2): the same N one-round runs
+"""What a local sweep pays per run beyond training: the same N one-round runs
 (FedAvg, tiny `mlp` on the 8x8 digits, one per seed) run by `fl-lightning sweep --local --workers 1`
 (warm worker: imports once, forks a process per run) and as N `fl-lightning fit` processes started
 one after the other (what the sweep did before), interleaved over repeats, medians. Also checks

@@ -1,14 +1,14 @@
 """Tiny 3-round runs of FedAvg, FedSOL, SCAFFOLD and FedORGP whose final states pin the core's
 behaviour with augmentation off (test_core_regression.py).
 
-`tests/data/core_v1_reference.pt` was produced by running this file on the old core (main at
-645afa2, one Trainer batch per local step, DataLoader batches; 1 torch thread, as the tests):
+`tests/data/core_v1_reference.pt` was produced by running this file on an earlier core that took
+one Trainer batch per local step from DataLoader batches (1 torch thread, as the tests):
 
     .venv/bin/python tests/core_reference.py tests/data/core_v1_reference.pt
 
-except FedORGP's entry, produced by this file on the current core (issue 11: client models drawn
-from the run seed in a forked RNG; before that, at cc5df0b, the old core plus the heterogeneous
-methods' drop of each local epoch's incomplete last batch):
+except FedORGP's entry, produced by this file on the current core (client models drawn from the
+run seed in a forked RNG, and each local epoch's incomplete last batch dropped, as the
+heterogeneous methods' authors do):
 
     .venv/bin/python tests/core_reference.py tests/data/core_v1_reference.pt FedORGP
 

@@ -1,4 +1,4 @@
-"""Issue 21's matrix with clients in parallel (`--federation.parallel clients`): every family once,
+"""The precision matrix with clients in parallel (`--federation.parallel clients`): every family once,
 every precision, through the CLI, for tests/test_precision_matrix.py.
 
     python tests/precision_parallel_runs.py OUT [CELL ...]                 one process

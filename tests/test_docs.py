@@ -83,3 +83,25 @@ def test_every_docs_page_is_in_the_nav():
     listed = set(entries(config["nav"]))
     on_disk = {str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")}
     assert on_disk - listed == set(), f"pages missing from mkdocs.yml's nav: {sorted(on_disk - listed)}"
+
+
+CODE_DIRS = ("fl_lightning", "benchmarks", "scripts", "tests")
+CODE_HISTORY = {k: HISTORY[k] for k in ("an issue number", "a development stop")}
+
+
+def code_files() -> list[Path]:
+    return [p for d in CODE_DIRS for p in sorted((REPO / d).rglob("*")) if p.suffix in (".py", ".sh")
+            and p.name != "test_docs.py"]
+
+
+def test_no_development_history_in_code():
+    """Comments and docstrings say why, not which issue or stop a line came from (the git log keeps
+    that). Commit hashes are allowed here: the peers' code is pinned by its commits."""
+    found = []
+    for path in code_files():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for what, pattern in CODE_HISTORY.items():
+                match = pattern.search(line)
+                if match:
+                    found.append(f"{path.relative_to(REPO)}:{number}: {what} ({match.group(0)!r})")
+    assert not found, "code tells development history: " + "; ".join(found)

@@ -219,7 +219,7 @@ def test_train_mode_batchnorm_over_two_values(d):
 
 
 def test_incomplete_last_batch_is_dropped():
-    """Finding 8 of issue 9 (the HMG3 demo's MobileNetV2 client hit NaN): a client with 34 training
+    """The HMG3 demo's MobileNetV2 client once hit NaN on a batch of 2: a client with 34 training
     samples and batch 32 trains exactly one step, on the first full batch of its seeded order, as
     HtFLlib's drop_last=True does; the 2-sample tail, whose gradient is ~1e4 times larger, is not
     trained on."""

@@ -1,4 +1,4 @@
-"""A run's outcome survives signals, other processes and damaged state (issue 19), tested the way
+"""A run's outcome survives signals, other processes and damaged state, tested the way
 it happens: CLI subprocesses on 1 and 2 gloo processes with faults injected at exact points
 (tests/killswitch.py: SIGKILL, signals, a disk that refuses writes; tests/faulty_methods.py: a
 client whose training diverges, a collapsing model), and real run directories whose client-state

@@ -1,4 +1,4 @@
-"""Every precision through every kind of local step (issue 21's matrix), on CPU: two tiny rounds of
+"""Every precision through every kind of local step (the precision matrix), on CPU: two tiny rounds of
 one method per family in 32-true, 64-true, bf16-mixed and bf16-true give finite results, with the
 parameters in the precision's dtype (a float32 tensor inside a float64 run was a crash or a silent
 loss of precision: the analyses' subsets, model-heterogeneous client models, FedGen's noise and

@@ -1,4 +1,4 @@
-"""The method contract's server side (issue 18): `server_step(uploads)` returns a `ServerUpdate`
+"""The method contract's server side: `server_step(uploads)` returns a `ServerUpdate`
 and changes nothing itself, for every method; the round callback applies it. The server
 optimizers added on that contract (FedAvgM, FedAdam, FedYogi, FedAdagrad) against their papers'
 update written out by hand, and FedBN's BatchNorm layers staying with their clients."""
