@@ -40,6 +40,7 @@ import logging
 import statistics
 import time
 import warnings
+from dataclasses import replace
 
 import lightning as L
 import torch
@@ -103,12 +104,12 @@ def bare_trainer(rounds: int, callbacks: list) -> L.Trainer:
                      enable_model_summary=False, accelerator="cpu", devices=1, callbacks=callbacks)
 
 
-def project(setting: dict, model: str, method: str, rounds: int):
+def project(setting: dict, model: str, method: str, rounds: int, memory_format: str = "auto"):
     torch.manual_seed(0)
     dm = FederatedDataModule(**setting)
-    module = (FedAvg(model=model, data_spec=dm.spec, **OPT) if method == "fedavg"
+    module = (FedAvg(model=model, data_spec=dm.spec, memory_format=memory_format, **OPT) if method == "fedavg"
               else FedSOL(model=model, rho=2.0, perturb="head", adaptive="layer", data_spec=dm.spec,
-                          cosine_scope=FEDSOL_COSINE[method], **OPT))
+                          cosine_scope=FEDSOL_COSINE[method], memory_format=memory_format, **OPT))
     init = {k: v.clone() for k, v in module.model.state_dict().items()}
     clock = RoundClock()
     clock.watch(module)
@@ -132,12 +133,17 @@ class PlainRounds:
     functional_call. Its model is built at construction (before a project run seeds the RNG, so
     that run's random numbers are its own) and takes the initial weights with `start`."""
 
-    def __init__(self, setting: dict, model_name: str, method: str):
+    def __init__(self, setting: dict, model_name: str, method: str,
+                 memory_format: torch.memory_format = torch.contiguous_format):
         self.dm = FederatedDataModule(**setting)
         self.dm.setup()
         self.train, self.test = self.dm.train_set.tensors(), self.dm.test_set.tensors()
-        self.model = build_model(model_name, self.dm.spec)
-        self.teacher = build_model(model_name, self.dm.spec).requires_grad_(False).eval()
+        if memory_format != torch.contiguous_format:  # the data laid out once, as the weights
+            self.train, self.test = (replace(t, images=t.images.contiguous(memory_format=memory_format))
+                                     for t in (self.train, self.test))
+        self.model = build_model(model_name, self.dm.spec).to(memory_format=memory_format)
+        self.teacher = build_model(model_name, self.dm.spec).to(memory_format=memory_format)
+        self.teacher.requires_grad_(False).eval()
         self.method, self.lr = method, OPT["lr"]
 
     def start(self, init: dict) -> None:
@@ -198,9 +204,10 @@ class PlainRounds:
         return time.process_time() - start, time.perf_counter() - wall_start, in_clients, n_steps, prep
 
 
-def plain(setting: dict, model_name: str, method: str, rounds: int, init: dict):
+def plain(setting: dict, model_name: str, method: str, rounds: int, init: dict,
+          memory_format: torch.memory_format = torch.contiguous_format):
     """(CPU s per round, CPU s in clients per round, steps per round, final weights) of PlainRounds."""
-    loop = PlainRounds(setting, model_name, method)
+    loop = PlainRounds(setting, model_name, method, memory_format)
     loop.start(init)
     times, client_times, steps = [], [], []
     for r in range(rounds):

@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import logging
@@ -84,6 +85,26 @@ def _forbidden_global(message: str) -> str | None:
     return found.group(1) if found else "unnamed"
 
 
+def in_default_layout(value: Any) -> Any:
+    """`value` (a checkpoint's nested dicts, lists and tuples) with every tensor in torch's default
+    layout: a file must not depend on `--model.memory_format` (a channels-last weight would be
+    saved with its strides), and loads into a model of either layout. Containers without a
+    tensor in another layout are returned as they are."""
+    if isinstance(value, torch.Tensor):
+        return value.contiguous()
+    if isinstance(value, dict):
+        items = {k: in_default_layout(v) for k, v in value.items()}
+        if all(items[k] is v for k, v in value.items()):
+            return value
+        out = copy.copy(value)  # the same kind of dict (OrderedDict, AttributeDict, ...)
+        out.update(items)
+        return out
+    if type(value) in (list, tuple):
+        items = [in_default_layout(v) for v in value]
+        return value if all(a is b for a, b in zip(items, value, strict=True)) else type(value)(items)
+    return value
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Atomic writes; a save requested mid-round (by anything but the round checkpoint) gets the
     last completed round's file, see `RoundCheckpoint`; and every load is data only, whatever
@@ -103,7 +124,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             data = rounds.last_path.read_bytes()
         else:
             buffer = io.BytesIO()
-            torch.save(checkpoint, buffer)
+            torch.save(in_default_layout(checkpoint), buffer)
             data = buffer.getvalue()
         atomic_write_bytes(path, data)
 
@@ -187,7 +208,7 @@ def stamp_callback_state(path: Path, state_key: str, state: dict) -> None:
     checkpoint = read_checkpoint(path)
     checkpoint.setdefault("callbacks", {})[state_key] = state
     buffer = io.BytesIO()
-    torch.save(checkpoint, buffer)
+    torch.save(in_default_layout(checkpoint), buffer)
     atomic_write_bytes(path, buffer.getvalue())
 
 

@@ -4,7 +4,10 @@ bf16-mixed, then on two GPUs with clients in parallel (`--federation.parallel cl
 that every run ends with finite results and that 2 GPUs agree with 1 (the GPU runs in 32-true use
 deterministic algorithms where torch has them). Prints a pass/fail table with the time per local
 step (the rounds' wall time over the local steps, rank 0's on 2 GPUs) and the seconds per run
-(start-up included). On a machine without a GPU it runs the CPU part, says so, and exits 0.
+(start-up included). On a GPU it then times the FedAvg CNN demo's local step in both memory layouts
+(`--model.memory_format channels_last` and `contiguous`, in 32-true and bf16-mixed): whether
+channels-last, the "auto" choice on CUDA, is the faster there. On a machine without a GPU it runs
+the CPU part, says so, and exits 0.
 
     bash scripts/gpu_check.sh [--families FedAvg SCAFFOLD ...] [--root /tmp/gpu_check]
 """
@@ -85,6 +88,47 @@ def run(family: str, root: Path, accelerator: str, precision: str,
     return "pass", acc, ms_per_step(root), seconds
 
 
+# ---- the memory layouts (`--model.memory_format`) on the GPU -------------------------------------
+LAYOUT_RUN = ["--config", str(S / "mnist5k.yaml"), "--config", str(M / "fedsol" / "fedavg.yaml"),
+              "--model.init_args.model", "fedavg_cnn", "--federation.eval_local_models", "false",
+              "--trainer.max_epochs", "3", "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
+              "--analysis.partition", "false", "--analysis.divergence", "false", "--trainer.accelerator", "gpu",
+              "--trainer.devices", "1"]
+
+
+def layout_times(root: Path, precisions=("32-true", "bf16-mixed"), repeats: int = 2) -> list[tuple[str, str, float]]:
+    """(precision, layout, ms per local step) of the FedAvg CNN demo (3 rounds) on one GPU in
+    channels-last and in the default layout, the two layouts interleaved, the best of `repeats`:
+    what "auto" should choose on this GPU."""
+    rows = []
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    for precision in precisions:
+        best = {"channels_last": math.inf, "contiguous": math.inf}
+        for repeat in range(repeats):
+            for layout in best:
+                where = root / "layouts" / f"{precision}_{layout}_{repeat}"
+                args = [sys.executable, "-m", "fl_lightning.cli", "fit", *LAYOUT_RUN, "--trainer.precision", precision,
+                        "--model.init_args.memory_format", layout, "--trainer.default_root_dir", str(where)]
+                done = subprocess.run(args, cwd=REPO, capture_output=True, text=True, env=env)
+                if done.returncode == 0:
+                    best[layout] = min(best[layout], ms_per_step(where))
+                else:
+                    lines = [line for line in done.stderr.splitlines() if line.strip()]
+                    print(f"layouts: {precision} {layout} failed: {lines[-1] if lines else done.returncode}")
+        rows += [(precision, layout, ms) for layout, ms in best.items()]
+    return rows
+
+
+def print_layouts(rows: list[tuple[str, str, float]]) -> None:
+    print(f"{'FedAvg CNN on 1 GPU':22s} {'precision':11s} {'layout':14s} {'ms/step':>8s}")
+    for precision, layout, ms in rows:
+        print(f"{'':22s} {precision:11s} {layout:14s} {ms:8.2f}")
+    for precision in dict.fromkeys(p for p, _, _ in rows):
+        ms = {layout: t for p, layout, t in rows if p == precision}
+        print(f"{precision}: channels-last / contiguous {ms['channels_last'] / ms['contiguous']:.3f} "
+              f"(below 1: channels-last, the 'auto' choice on CUDA, is the faster here)")
+
+
 def gpus() -> int:
     import torch
 
@@ -119,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             failed += result != "pass"
             print(f"{family:14s} {accelerator:6s} {precision:11s} {devices:2d}  {result:6s} {acc:7.4f} {step_ms:8.2f} "
                   f"{seconds:6.1f}", flush=True)
+    if count:
+        print_layouts(layout_times(root))
     if not count:
         print("no GPU on this machine (torch.cuda.is_available() is False): ran the CPU part only")
     elif count < 2:

@@ -296,6 +296,9 @@ class FederatedDataModule(L.LightningDataModule):
         self.round_plan: RoundPlan | None = None
         self.rank_plan: RoundPlan | None = None  # this rank's clients of round_plan
         self._device_cache: dict[int, TensorImages] = {}
+        # the layout of the images in every batch made here: the method's (its `memory_format`
+        # option, set in its configure_model), so that a batch is laid out once, where it is made
+        self.memory_format = torch.contiguous_format
 
     @property
     def hparams_initial(self) -> AttributeDict:
@@ -401,8 +404,8 @@ class FederatedDataModule(L.LightningDataModule):
             return None
         device = self.device
         cached = self._device_cache.get(id(dataset))
-        if cached is None or cached.images.device != device:
-            cached = tensors.to(device)
+        if cached is None or cached.images.device != device or cached.memory_format != self.memory_format:
+            cached = replace(tensors.to(device), memory_format=self.memory_format)
             self._device_cache[id(dataset)] = cached
         return cached
 
@@ -417,7 +420,7 @@ class FederatedDataModule(L.LightningDataModule):
             loader = DataLoader(self.train_set, batch_sampler=shares, num_workers=self.hparams.num_workers)
             device = self.device
             for x, y in loader:
-                yield x.to(device), y.to(device)
+                yield x.to(device).contiguous(memory_format=self.memory_format), y.to(device)
             return
         generator = None
         if tensors.augment:

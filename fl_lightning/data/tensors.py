@@ -63,6 +63,7 @@ class TensorImages:
     std: Sequence[float] | None = None
     augment: bool = False
     padding: int = 4
+    memory_format: torch.memory_format = torch.contiguous_format  # of the batches `finish` makes
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -83,7 +84,8 @@ class TensorImages:
                share: slice | torch.Tensor | None = None) -> torch.Tensor:
         """Stored images -> what the model sees: crop + flip (drawn for the whole batch, then
         `share` of it is kept, so the draws do not depend on how many processes share the batch),
-        then uint8 -> float in [0, 1] -> normalised, as ToTensor + Normalize compute it."""
+        then uint8 -> float in [0, 1] -> normalised, as ToTensor + Normalize compute it, in the
+        layout `memory_format`."""
         if self.augment:
             if generator is None:
                 raise ValueError("augmented batches need a seeded generator")
@@ -93,6 +95,8 @@ class TensorImages:
             images = crop_flip(images, offsets, flips, self.padding)
         elif share is not None:
             images = images[share]
+        if self.memory_format != torch.contiguous_format:  # before the conversion, which keeps it
+            images = images.contiguous(memory_format=self.memory_format)
         if images.dtype != torch.uint8:
             return images
         x = images.to(torch.get_default_dtype()).div(255)

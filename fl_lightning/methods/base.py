@@ -89,7 +89,7 @@ from fl_lightning.errors import FLUserError
 from fl_lightning.fedconst import CONSTRAINT_MODES
 from fl_lightning.methods.local_logs import LocalLogs
 from fl_lightning.methods.local_step import LocalSteps
-from fl_lightning.models import FLModel
+from fl_lightning.models import MEMORY_FORMATS, FLModel, memory_format_for
 from fl_lightning.parallel import clients_in_parallel
 from fl_lightning.round_metrics import log_round_metrics
 from fl_lightning.state import ServerState, State, WorkingCopies
@@ -165,6 +165,11 @@ class FederatedMethod(L.LightningModule):
             fedconst.py): "none", "joint" (exact projection) or "sequential" (the paper's
             Algorithm 1 order). Applied in `after_optimizer_step`, so every method that steps
             through `sgd_step` gets it ("+ CONST").
+        memory_format: the memory layout of the convolutional models' weights and of the
+            batches: "channels_last", "contiguous" (torch's default), or "auto": channels-last
+            where it is the faster layout (on CUDA, and on a CPU for the architectures of
+            `fl_lightning.models.CHANNELS_LAST_ON_CPU`). Results differ only by float rounding;
+            checkpoints and client-state files are written in the default layout either way.
     """
 
     def __init__(
@@ -178,6 +183,7 @@ class FederatedMethod(L.LightningModule):
         lr_milestone_gamma: float = 0.1,
         data_spec: DataSpec | None = None,
         constraint: Literal["none", "joint", "sequential"] = "none",
+        memory_format: Literal["auto", "channels_last", "contiguous"] = "auto",
     ):
         super().__init__()
         if data_spec is None:
@@ -193,6 +199,8 @@ class FederatedMethod(L.LightningModule):
             raise FLUserError(f"lr_milestones are rounds >= 1, e.g. [160, 240], got {lr_milestones}")
         if constraint not in CONSTRAINT_MODES:
             raise FLUserError(f"constraint must be one of {', '.join(CONSTRAINT_MODES)}, got '{constraint}'")
+        if memory_format not in MEMORY_FORMATS:
+            raise FLUserError(f"memory_format must be one of {', '.join(MEMORY_FORMATS)}, got '{memory_format}'")
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.round_idx = -1
@@ -205,6 +213,7 @@ class FederatedMethod(L.LightningModule):
         self.client_states = ClientStateStore()
         self.copies = WorkingCopies()
         self.constraint = constraint  # the FedCONST mode; the round's constraint set is steps.constraint
+        self.memory_format = torch.contiguous_format  # `memory_format` resolved in configure_model
 
     # ---- tier 1: the local objective -------------------------------------------------------------
     def loss(self, model: nn.Module, batch, context: LossContext) -> torch.Tensor:
@@ -398,6 +407,27 @@ class FederatedMethod(L.LightningModule):
         else:
             sched = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=h.lr_decay)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "epoch"}}
+
+    def architectures(self) -> tuple[str, ...]:
+        """The names of the architectures this method trains (`fl_lightning.models.MODELS`)."""
+        return (self.hparams.model,)
+
+    def configure_model(self) -> None:
+        """The `memory_format` option, applied once the device is known (fit, validate, test):
+        the module's weights (models, server state) in that layout, and the data module makes its
+        batches in it. Copies made later (teachers, personal models) keep it; a state_dict or
+        file in either layout loads into it (copied element by element)."""
+        trainer = compat.attached_trainer(self)
+        device = trainer.strategy.root_device if trainer is not None else self.device
+        self.memory_format = memory_format_for(self.hparams.memory_format, self.architectures(), device)
+        self.in_memory_format(self)
+        datamodule = getattr(trainer, "datamodule", None)
+        if datamodule is not None and hasattr(datamodule, "memory_format"):
+            datamodule.memory_format = self.memory_format
+
+    def in_memory_format(self, module: nn.Module) -> nn.Module:
+        """`module` with its 4-d weights and buffers in the run's layout (in place)."""
+        return module.to(memory_format=self.memory_format)
 
     def on_train_start(self) -> None:
         self.steps.start_training(self, FederatedMethod)

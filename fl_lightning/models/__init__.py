@@ -4,8 +4,9 @@ classifiers (FedDr+, FedBABU) and prototype methods all need that split."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
+import torch
 from torch import nn
 
 from fl_lightning.data.datasets import DataSpec
@@ -36,6 +37,33 @@ MODELS: dict[str, Callable[..., FLModel]] = {
     "resnet18_nobn_nobias": lambda spec, **kw: CifarResNet(spec.in_channels, spec.num_classes, norm="none",
                                                            bias=False, head_bias=False, **kw),
 }
+
+
+# The memory layout of the weights and the batches (`--model.memory_format`, methods/base.py): in
+# "channels_last" a convolution reads and writes each pixel's channels together, the layout
+# oneDNN's and cuDNN's fastest kernels for most convolutions use; "contiguous" is torch's default
+# (channels outermost). The numbers are the same up to float rounding. With "auto" a convolutional
+# model runs channels-last on CUDA and, on a CPU, the architectures below, whose local step is
+# faster there in that layout (benchmarks/channels_last.py measures each); on a CPU the others
+# (VGG-11's 3x3 convolutions, torchvision's networks) keep the default layout.
+MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
+CHANNELS_LAST_ON_CPU = {"fedavg_cnn", "cnn4", "lenet5", "lenet5_nobias", "mobilenet", "resnet18",
+                        "resnet18_nobn_nobias"}
+FULLY_CONNECTED = {"mlp", "mlp_bn"}  # no convolution: the layout changes nothing
+
+
+def memory_format_for(option: str, architectures: Iterable[str], device: torch.device) -> torch.memory_format:
+    """The layout `option` means for models of `architectures` trained on `device`."""
+    if option not in MEMORY_FORMATS:
+        raise FLUserError(f"memory_format must be one of {', '.join(MEMORY_FORMATS)}, got '{option}'")
+    convolutional = [a for a in architectures if a not in FULLY_CONNECTED]
+    if option == "contiguous" or not convolutional:
+        return torch.contiguous_format
+    if option == "channels_last" or device.type == "cuda":
+        return torch.channels_last
+    if device.type == "cpu" and all(a in CHANNELS_LAST_ON_CPU for a in convolutional):
+        return torch.channels_last
+    return torch.contiguous_format
 
 
 _FITS: set[tuple[str, DataSpec]] = set()  # (model, data) pairs a forward pass has been checked on
@@ -85,9 +113,16 @@ def _fits(name: str, spec: DataSpec) -> bool:
             return False
 
 
-def register_model(name: str, factory: Callable[..., FLModel]) -> None:
-    """Lets a method family add its own architectures (e.g. FedCONST's bias-free variants)."""
+def register_model(name: str, factory: Callable[..., FLModel], channels_last_on_cpu: bool = False,
+                   convolutional: bool = True) -> None:
+    """Lets a method family add its own architectures (e.g. FedCONST's bias-free variants);
+    `channels_last_on_cpu` when its local step is faster channels-last on a CPU (see
+    CHANNELS_LAST_ON_CPU), `convolutional=False` when it has no convolution."""
     MODELS[name] = factory
+    if channels_last_on_cpu:
+        CHANNELS_LAST_ON_CPU.add(name)
+    if not convolutional:
+        FULLY_CONNECTED.add(name)
 
 
-__all__ = ["FLModel", "MODELS", "build_model", "register_model", "nn"]
+__all__ = ["FLModel", "MEMORY_FORMATS", "MODELS", "build_model", "memory_format_for", "register_model", "nn"]

@@ -132,6 +132,7 @@ class HeteroMethod(FederatedMethod):
                 if trainer is not None:  # in the precision's dtype (float64 for 64-true), as
                     # Lightning converts the module itself; client models are not its submodules
                     model = trainer.precision_plugin.convert_module(model)
+                model = self.in_memory_format(model)  # the layout of configure_model, for the same reason
                 if store:
                     if parallel:
                         compat.sync_module_states(model)
@@ -157,6 +158,9 @@ class HeteroMethod(FederatedMethod):
 
     def client_architecture(self, client: int) -> str:
         return client_architecture(self.hparams.model, client)
+
+    def architectures(self) -> tuple[str, ...]:
+        return group_members(self.hparams.model)
 
     def setup(self, stage: str) -> None:
         dm = getattr(self.trainer, "datamodule", None)

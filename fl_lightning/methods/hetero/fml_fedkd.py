@@ -56,6 +56,10 @@ class MutualLearningMethod(HeteroMethod):
         h = self.hparams
         self.server.module("global_shared", build_group_model(shared_model, h.data_spec, h.feature_dim))
         self.shared = copy.deepcopy(self.server["global_shared"])  # trained by the current client
+        self.shared_architecture = shared_model
+
+    def architectures(self) -> tuple[str, ...]:
+        return (*super().architectures(), self.shared_architecture)
 
     def receive(self, client: int) -> None:
         self.shared.load_state_dict(self.server["global_shared"].state_dict())

@@ -1,0 +1,161 @@
+"""Start-up that is fl-lightning's own: from launching the demo `fit` to its first round starting,
+minus what `python -c "import lightning.pytorch"` alone takes (the floor of any CLI on Lightning).
+
+Both are separate processes, timed from outside, interleaved over `--repeats`, medians; one
+thread each (OMP_NUM_THREADS=1), W&B offline, as a user starts the demo:
+
+    fl-lightning fit --config configs/settings/mnist5k.yaml --config configs/methods/fedsol/fedavg.yaml
+
+The fit is started through a small launcher (`LAUNCHER` below) that runs the CLI's own `main` and,
+when the round callback starts round 1 (`FederatedCallback.on_train_epoch_start`), prints a line
+and ends the process: the time to that line is the start-up, and nothing of the round is in it.
+The launcher also stamps the stages of the start-up (perf_counter, in the process), each the first
+time it runs: the imports it needs beyond Lightning (fl-lightning's modules with jsonargparse, W&B,
+matplotlib; imported by the launcher one after the other so that each is a stage of its own,
+whatever imports it first in a run), the CLI's parsing (jsonargparse reads every method's
+signature), building the data module, method and Trainer, loading and partitioning the data, the
+W&B run's start (offline), the partition figure the analyses draw at fit start, and Lightning's
+set-up up to the round. A stage's time is its own: stages inside another are subtracted from it.
+
+    taskset -c 1 env PYTHONPATH=. python benchmarks/startup.py [--repeats 5] [-- extra fit options]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEMO = ["fit", "--config", "configs/settings/mnist5k.yaml", "--config", "configs/methods/fedsol/fedavg.yaml"]
+MARK = "first round starts"
+
+LAUNCHER = r'''
+import json, os, sys, time
+T0 = time.perf_counter()
+stamps = {}  # stage -> [seconds of its own, seconds including the stages inside it]
+stack = []
+
+def enter(name):
+    stack.append([name, time.perf_counter(), 0.0])
+
+def leave():
+    name, started, inner = stack.pop()
+    took = time.perf_counter() - started
+    own = stamps.setdefault(name, [0.0, 0.0])
+    own[0] += took - inner
+    own[1] += took
+    if stack:
+        stack[-1][2] += took
+
+def stage(name, fn, once=True):
+    done = []
+    def timed(*args, **kwargs):
+        if once and done:
+            return fn(*args, **kwargs)
+        done.append(1)
+        enter(name)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            leave()
+    return timed
+
+enter("import lightning.pytorch")
+import lightning.pytorch
+leave()
+enter("import W&B")
+import wandb
+leave()
+enter("import matplotlib (figures)")
+import matplotlib.figure, matplotlib.backends.backend_agg
+leave()
+enter("import fl-lightning (and jsonargparse)")
+from fl_lightning import cli
+from fl_lightning import lightning_cli, cli_parsing, loggers
+from fl_lightning.analysis import callback as analysis
+from fl_lightning.data import datamodule
+from fl_lightning import federation
+import lightning.pytorch.trainer.trainer as trainer_module
+leave()
+
+P = cli_parsing.FLCLIParsing
+P.parse_arguments = stage("parse the command line and configs", P.parse_arguments)
+P.instantiate_classes = stage("build the data module, method and Trainer", P.instantiate_classes)
+D = datamodule.FederatedDataModule
+D.setup = stage("load and partition the data", D.setup)
+A = analysis.AnalysisCallback
+A.log_partition = stage("the partition figure (analyses at fit start)", A.log_partition)
+L = loggers.FLWandbLogger
+L.experiment = property(stage("start the W&B run (offline)", L.experiment.fget))
+T = trainer_module.Trainer
+T.fit = stage("Lightning's set-up to the first round", T.fit)
+
+def first_round(self, trainer, module):
+    while stack:
+        leave()
+    total = time.perf_counter() - T0
+    stamps["everything else"] = [total - sum(v[0] for v in stamps.values()), 0.0]
+    print("''' + MARK + r'''", json.dumps({"total": total, "stages": {k: v[0] for k, v in stamps.items()}}),
+          flush=True)
+    os._exit(0)
+
+federation.FederatedCallback.on_train_epoch_start = first_round
+cli.main(sys.argv[1:])
+'''
+
+
+def seconds_to(command: list[str], marker: str, env: dict) -> tuple[float, str]:
+    started = time.perf_counter()
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                               env=env)
+    for line in process.stdout:
+        if line.startswith(marker):
+            seen = time.perf_counter() - started
+            process.stdout.close()
+            process.wait()
+            return seen, line[len(marker):].strip()
+    process.wait()
+    raise RuntimeError(f"{command[:3]} never printed {marker!r} (exit {process.returncode})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("extra", nargs="*", help="more fit options (after --)")
+    args = parser.parse_args()
+    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    lightning_only = [sys.executable, "-c", "import lightning.pytorch; print('imported', flush=True)"]
+    imports, fits, stages = [], [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        fit = [sys.executable, "-c", LAUNCHER, *DEMO, "--trainer.default_root_dir", str(Path(tmp) / "run"),
+               "--overwrite", "true", *args.extra]
+        for repeat in range(args.repeats):  # interleaved, the order alternating
+            for which in ((0, 1) if repeat % 2 == 0 else (1, 0)):
+                if which == 0:
+                    imports.append(seconds_to(lightning_only, "imported", env)[0])
+                else:
+                    seconds, report = seconds_to(fit, MARK, env)
+                    fits.append(seconds)
+                    stages.append(json.loads(report)["stages"])
+            print(f"  repeat {repeat + 1}: import lightning.pytorch {imports[-1]:.2f} s, fit to round 1 "
+                  f"{fits[-1]:.2f} s", flush=True)
+    med = statistics.median
+    ours = med(f - i for f, i in zip(fits, imports, strict=True))
+    print(f"`python -c 'import lightning.pytorch'`       median {med(imports):6.2f} s (min {min(imports):.2f})")
+    print(f"demo fit, launch to the first round's start  median {med(fits):6.2f} s (min {min(fits):.2f})")
+    print(f"start-up beyond importing Lightning          median {ours:6.2f} s (paired; target <= 1 s: "
+          f"{'met' if ours <= 1 else 'NOT met'})")
+    print("where the start-up goes (seconds inside the fit's process, medians; a stage's own time):")
+    for name in stages[0]:
+        print(f"  {name:48s} {med(s.get(name, 0.0) for s in stages):6.2f}")
+
+
+if __name__ == "__main__":
+    main()
