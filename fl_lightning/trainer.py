@@ -56,8 +56,9 @@ class FLTrainer(Trainer):
 
     def analyze(self, model, datamodule=None, ckpt_path: str | None = None, verbose: bool = True,
                 weights_only: bool | None = None):
-        """Hessian spectrum and loss surface of a saved checkpoint (needs --ckpt_path), written to
-        `<run dir>/analysis/posthoc_round_XXX/`, beside (never over) what the fit wrote.
+        """Hessian spectrum and loss surface of a saved checkpoint (needs --ckpt_path).
+
+        Written to `<run dir>/analysis/posthoc_round_XXX/`, beside (never over) what the fit wrote.
 
         Args:
             ckpt_path: the checkpoint to analyse (e.g. <run dir>/checkpoints/last.ckpt, or "last").
