@@ -193,7 +193,7 @@ class FLCLIParsing(LightningCLI):
         follow_seed_everything(cfg)  # seed_everything: true has been drawn by now (LightningCLI._set_seed)
         trainer = cfg["trainer"]
         if trainer.get("reload_dataloaders_every_n_epochs") != 1:
-            raise FLUserError("trainer.reload_dataloaders_every_n_epochs must be 1: every round samples new clients")
+            raise FLUserError("--trainer.reload_dataloaders_every_n_epochs must be 1: every round samples new clients")
         root = trainer.get("default_root_dir") or "runs/default"
         trainer["default_root_dir"] = root
         self._run_root = Path(root)
