@@ -20,10 +20,12 @@ The rest of the command, the run and its hooks, is FLCLI in fl_lightning/lightni
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
-from lightning.pytorch.cli import LightningCLI
+import docstring_parser
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from fl_lightning import compat
 from fl_lightning.analysis.callback import AnalysisCallback
@@ -46,6 +48,22 @@ from fl_lightning.rundir import RunDirectory
 from fl_lightning.wandb_run import configure_wandb_logger
 
 
+class FLArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser, minus the help of a method's `data_spec`: the CLI links it from the
+    data module (`--data.dataset` and its options), so it is no option of the user's. Hidden from
+    `--help` and `--model.help` alike (jsonargparse builds the latter with this parser class)."""
+
+    def add_class_arguments(self, class_type, nested_key=None, *args, **kwargs):
+        added = super().add_class_arguments(class_type, nested_key, *args, **kwargs)
+        if isinstance(class_type, type) and issubclass(class_type, FederatedMethod):
+            prefix = f"{nested_key}." if nested_key else ""
+            hidden = {f"{prefix}data_spec", f"{prefix}data_spec.help"}
+            for action in compat.parser_actions(self):
+                if action.dest in hidden:
+                    action.help = argparse.SUPPRESS
+        return added
+
+
 class FLCLIParsing(LightningCLI):
     """The parsing half of the CLI (FLCLI adds the run): the parser, the completed config, the
     `--ckpt_path` check, and the checks made before any class is instantiated."""
@@ -56,11 +74,42 @@ class FLCLIParsing(LightningCLI):
     prebuilt: dict[str, tuple] = {}
     checkpoint_rounds = 0  # rounds the --ckpt_path checkpoint holds
 
+    # what `--ckpt_path` takes, in each subcommand's --help (Lightning's text describes its own
+    # keywords, `hpc`, `registry`, `best`, which this CLI does not take)
+    CKPT_PATH_HELP = {
+        "fit": "`last` to continue this run from its last checkpoint (<trainer.default_root_dir>/checkpoints/"
+               "last.ckpt), or a path to a .ckpt file of the same experiment",
+        "validate": "the checkpoint to evaluate: `last` (the last checkpoint of the run in "
+                    "trainer.default_root_dir) or a path to a .ckpt file",
+        "analyze": "the checkpoint to analyse: `last` (the last checkpoint of the run in "
+                   "trainer.default_root_dir) or a path to a .ckpt file",
+    }
+    CKPT_PATH_HELP["test"] = CKPT_PATH_HELP["validate"]
+    # --help's usage line: the groups rather than every one of their options, which the help lists
+    USAGE = ("%(prog)s [-h] [-c CONFIG] [--print_config] [--model METHOD]\n"
+             "       [--{model,data,federation,personalization,analysis,trainer}.OPTION VALUE ...]\n"
+             "       [--ckpt_path last|FILE]")
+
     def __init__(self, *args, **kwargs):
         given = kwargs.get("args")
         given = sys.argv[1:] if given is None else given
         self._invoked = given[0] if given and isinstance(given[0], str) else None
+        kwargs["parser_kwargs"] = self._parser_kwargs(kwargs.get("parser_kwargs") or {}, kwargs.get("trainer_class"))
         super().__init__(*args, **kwargs)
+
+    def _parser_kwargs(self, given: dict, trainer_class) -> dict:
+        """LightningCLI's `parser_kwargs` (one key per subcommand for that subcommand's parser):
+        the command's name whichever way it was started, and for each subcommand its whole
+        description (Lightning takes the first line of the Trainer method's docstring, which can
+        end mid-sentence) and a short usage line."""
+        kwargs = {"prog": "fl-lightning", **given}
+        for name in self.subcommands():
+            own = {"usage": self.USAGE + (" [--overwrite true]" if name == "fit" else "")}
+            doc = docstring_parser.parse(getattr(trainer_class, name, None).__doc__ or "") if trainer_class else None
+            if doc is not None and doc.short_description:
+                own["description"] = " ".join(filter(None, (doc.short_description, doc.long_description)))
+            kwargs[name] = {**own, **given.get(name, {})}
+        return kwargs
 
     def setup_parser(self, add_subcommands: bool, main_kwargs: dict, subparser_kwargs: dict) -> None:
         built = self.prebuilt.pop(self._invoked, None) if add_subcommands else None
@@ -68,6 +117,10 @@ class FLCLIParsing(LightningCLI):
             super().setup_parser(add_subcommands, main_kwargs, subparser_kwargs)
         else:
             compat.set_cli_parser_parts(self, built)
+        for name, parser in compat.cli_subcommand_parsers(self).items():
+            for action in compat.parser_actions(parser):
+                if action.dest == "ckpt_path" and name in self.CKPT_PATH_HELP:
+                    action.help = self.CKPT_PATH_HELP[name]
 
     def subcommands(self) -> dict[str, set[str]]:
         """fit, validate, test and analyze (FLTrainer.analyze: the --analysis.* analyses of a
@@ -79,10 +132,19 @@ class FLCLIParsing(LightningCLI):
         invoked = getattr(self, "_invoked", None)
         return {invoked: kept[invoked]} if invoked in kept else kept
 
-    def add_arguments_to_parser(self, parser) -> None:
+    def add_core_arguments_to_parser(self, parser) -> None:
+        """The option groups in the order `--help` lists them (the order they are added): the
+        method, the data, the federated groups, and Lightning's Trainer last, its 45 options being
+        mostly the generic ones a federated run leaves alone."""
+        parser.add_lightning_class_args(self.model_class, "model", subclass_mode=self.subclass_mode_model)
+        parser.add_lightning_class_args(self.datamodule_class, "data")
         parser.add_lightning_class_args(FederatedCallback, "federation")
         parser.add_lightning_class_args(PersonalizationCallback, "personalization")
         parser.add_lightning_class_args(AnalysisCallback, "analysis")
+        parser.add_lightning_class_args(self.trainer_class, "trainer")
+        parser.set_defaults({f"trainer.{k}": v for k, v in self.trainer_defaults.items() if k != "callbacks"})
+
+    def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("data.spec", "model.init_args.data_spec", apply_on="instantiate")
         parser.add_argument("--overwrite", type=bool, default=False,
                             help="fit: replace the run already in trainer.default_root_dir (its config, checkpoints "
@@ -131,7 +193,7 @@ class FLCLIParsing(LightningCLI):
         follow_seed_everything(cfg)  # seed_everything: true has been drawn by now (LightningCLI._set_seed)
         trainer = cfg["trainer"]
         if trainer.get("reload_dataloaders_every_n_epochs") != 1:
-            raise FLUserError("trainer.reload_dataloaders_every_n_epochs must be 1: every round samples new clients")
+            raise FLUserError("--trainer.reload_dataloaders_every_n_epochs must be 1: every round samples new clients")
         root = trainer.get("default_root_dir") or "runs/default"
         trainer["default_root_dir"] = root
         self._run_root = Path(root)

@@ -128,15 +128,15 @@ class FederatedCallback(L.Callback):
                  parallel: Literal["clients", "batch"] = "clients", collective_timeout: float = 1800.0):
         super().__init__()
         if client_cache_size < 0:
-            raise FLUserError(f"federation.client_cache_size must be >= 0 (0 = all in memory), got "
+            raise FLUserError(f"--federation.client_cache_size must be >= 0 (0 = all in memory), got "
                               f"{client_cache_size}")
         if collapse_rounds < 0:
-            raise FLUserError(f"federation.collapse_rounds must be >= 0 (0 = off), got {collapse_rounds}")
+            raise FLUserError(f"--federation.collapse_rounds must be >= 0 (0 = off), got {collapse_rounds}")
         if local_eval_samples < 0:
-            raise FLUserError(f"federation.local_eval_samples must be >= 0 (0 = the whole test set), "
+            raise FLUserError(f"--federation.local_eval_samples must be >= 0 (0 = the whole test set), "
                               f"got {local_eval_samples}")
         if not collective_timeout > 0:
-            raise FLUserError(f"federation.collective_timeout must be > 0 seconds, got {collective_timeout}")
+            raise FLUserError(f"--federation.collective_timeout must be > 0 seconds, got {collective_timeout}")
         self.eval_local_models, self.local_eval_samples = eval_local_models, local_eval_samples
         self.policy = Policy(on_divergence, on_collapse, collapse_rounds)  # what the round's facts decide
         self.client_cache_size, self.parallel = client_cache_size, parallel

@@ -44,7 +44,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 from fl_lightning import compat
 from fl_lightning.checkpointing import AtomicCheckpointIO, RoundCheckpoint
-from fl_lightning.cli_parsing import FLCLIParsing
+from fl_lightning.cli_parsing import FLArgumentParser, FLCLIParsing
 from fl_lightning.config_files import layered_config_args
 from fl_lightning.data.datamodule import FederatedDataModule
 from fl_lightning.federation import federation_of
@@ -203,6 +203,7 @@ def build_cli(args: list[str] | None, run: bool = True, cli_class: type[FLCLI] |
         FederatedMethod,
         FederatedDataModule,
         trainer_class=FLTrainer,
+        parser_class=FLArgumentParser,
         subclass_mode_model=True,
         trainer_defaults=TRAINER_DEFAULTS,
         save_config_kwargs={"overwrite": True},

@@ -63,7 +63,7 @@ class PersonalizationCallback(L.Callback):
         self.enabled = enabled
         self.epochs = sorted(set(epochs or [5]))
         if self.epochs[0] < 0:
-            raise FLUserError(f"personalization.epochs must be >= 0, got {self.epochs}")
+            raise FLUserError(f"--personalization.epochs must be >= 0, got {self.epochs}")
         self.objective, self.finetune = objective, finetune
         self.lr, self.momentum, self.weight_decay = lr, momentum, weight_decay
         self.every_n_rounds, self.at_end = every_n_rounds, at_end

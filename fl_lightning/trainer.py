@@ -40,14 +40,15 @@ class FLTrainer(Trainer):
         if gradient_clip_val is not None and (isinstance(gradient_clip_val, bool) or
                                               not isinstance(gradient_clip_val, int | float) or
                                               not gradient_clip_val >= 0):
-            raise FLUserError(f"trainer.gradient_clip_val must be a number >= 0 (0 or null = no clipping), "
+            raise FLUserError(f"--trainer.gradient_clip_val must be a number >= 0 (0 or null = no clipping), "
                               f"got {gradient_clip_val!r}")
         algorithm = (gradient_clip_algorithm or "norm").lower()
         if algorithm not in ("norm", "value"):
-            raise FLUserError(f"trainer.gradient_clip_algorithm must be norm or value, got {gradient_clip_algorithm!r}")
+            raise FLUserError(f"--trainer.gradient_clip_algorithm must be norm or value, "
+                              f"got {gradient_clip_algorithm!r}")
         if str(kwargs.get("precision")) in ("16-mixed", "16") and _runs_on_cpu(kwargs.get("accelerator", "auto")):
             # Lightning would warn and run bf16-mixed, while config.yaml, W&B and the report say 16-mixed
-            raise FLUserError("trainer.precision 16-mixed (float16 autocast with loss scaling) runs on a GPU only: "
+            raise FLUserError("--trainer.precision 16-mixed (float16 autocast with loss scaling) runs on a GPU only: "
                               "on the CPU Lightning would run bf16-mixed in its place; use --trainer.precision "
                               "bf16-mixed (or 32-true) on the CPU")
         super().__init__(**kwargs)
@@ -56,8 +57,9 @@ class FLTrainer(Trainer):
 
     def analyze(self, model, datamodule=None, ckpt_path: str | None = None, verbose: bool = True,
                 weights_only: bool | None = None):
-        """Hessian spectrum and loss surface of a saved checkpoint (needs --ckpt_path), written to
-        `<run dir>/analysis/posthoc_round_XXX/`, beside (never over) what the fit wrote.
+        """Hessian spectrum and loss surface of a saved checkpoint (needs --ckpt_path).
+
+        Written to `<run dir>/analysis/posthoc_round_XXX/`, beside (never over) what the fit wrote.
 
         Args:
             ckpt_path: the checkpoint to analyse (e.g. <run dir>/checkpoints/last.ckpt, or "last").

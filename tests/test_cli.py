@@ -65,7 +65,7 @@ def test_fit_logs_resumes_and_validates(tmp_path, capsys, caplog):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--model", "FedFoo"], "unknown method 'FedFoo'"),
+    (["--model", "FedFoo"], "--model FedFoo: unknown method"),
     (["--model.init_args.model", "nonet"], "unknown model 'nonet'"),
     (["--data.dataset", "imagenet"], "unknown dataset 'imagenet'"),
     (["--data.alpha", "0"], "alpha must be > 0"),

@@ -42,29 +42,35 @@ MALFORMED = [
     (["CONFIG", "typo_data.yaml"], ["unknown option 'data.datset'", "did you mean 'data.dataset'"]),
     (["CONFIG", "missing.yaml"], ["missing.yaml: no such file"]),
     # unknown options and subcommands
-    (["--data.datset", "digits"], ["--data.datset", "did you mean 'data.dataset'"]),
-    (["--trainer.max_epochz", "3"], ["--trainer.max_epochz", "did you mean 'trainer.max_epochs'"]),
-    (["--model.init_args.rhoo", "1"], ["model.init_args.rhoo", "did you mean 'rho'"]),
-    (["--model", "FedSOL", "--model.init_args.lam", "1"], ["model.init_args.lam", "FedSOL's options: rho"]),
+    (["--data.datset", "digits"], ["unknown option --data.datset; did you mean --data.dataset?"]),
+    (["--trainer.max_epochz", "3"], ["--trainer.max_epochz; did you mean --trainer.max_epochs?"]),
+    (["--model.init_args.rhoo", "1"], ["--model.init_args.rhoo: FedSOL has no option 'rhoo'; "
+                                       "did you mean --model.init_args.rho?"]),
+    (["--model.rhoo", "1"], ["--model.rhoo: FedSOL has no option 'rhoo'; did you mean --model.rho?"]),
+    (["--model", "FedSOL", "--model.init_args.lam", "1"], ["--model.init_args.lam", "FedSOL's options: rho"]),
     # renamed options: the line names the new name
     (["--model", "FedTGP", "--model.init_args.server_lr", "0.1"],
-     ["model.init_args.server_lr: FedTGP's option is now proto_lr"]),
+     ["--model.init_args.server_lr: FedTGP's option is now proto_lr"]),
     (["--model", "FedGH", "--model.init_args.server_lr", "0.1"],
-     ["model.init_args.server_lr: FedGH's option is now head_lr"]),
+     ["--model.init_args.server_lr: FedGH's option is now head_lr"]),
     (["RAW"], ["no subcommand", "fit, validate, test, analyze, sweep, report"]),
     (["RAW", "fitt"], ["unknown subcommand 'fitt' (did you mean fit?)", "fit, validate, test"]),
     (["RAW", "fti"], ["unknown subcommand 'fti' (did you mean fit?)", "fit, validate, test"]),
     (["RAW", "reprot", "runs"], ["unknown subcommand 'reprot' (did you mean report?)"]),
     (["RAW", "predict"], ["unknown subcommand 'predict'", "fit, validate, test"]),
-    (["--model", "FedFoo"], ["unknown method 'FedFoo'", "FedAvg", "FedSOL"]),
-    (["--model", "HeteroMethod"], ["unknown method 'HeteroMethod'", "FedORGP"]),
-    (["--model", "FederatedMethod"], ["unknown method 'FederatedMethod'", "FedAvg"]),
-    (["--model", "KNNPerModel"], ["unknown method 'KNNPerModel'", "KNNPer"]),
+    (["--model", "FedFoo"], ["--model FedFoo: unknown method; choose one of:", "FedAvg", "FedSOL"]),
+    (["--model", "HeteroMethod"], ["--model HeteroMethod: unknown method", "FedORGP"]),
+    (["--model", "FederatedMethod"], ["--model FederatedMethod: unknown method", "FedAvg"]),
+    (["--model", "KNNPerModel"], ["--model KNNPerModel: unknown method", "KNNPer"]),
+    (["--model", "scaffold"], ["--model scaffold: unknown method; did you mean SCAFFOLD?"]),
+    (["--model", "FedAvgg"], ["--model FedAvgg: unknown method; did you mean FedAvg?"]),
+    (["--model.help", "fedsol"], ["--model.help fedsol: unknown method; did you mean FedSOL?"]),
     # wrong types
-    (["--model.init_args.lr", "[1,2]"], ["model.init_args.lr", "[1, 2]", "expected a number"]),
+    (["--model.init_args.lr", "[1,2]"], ["--model.init_args.lr: got '[1, 2]'; expected a number"]),
+    (["--model.lr", "abc"], ["--model.lr: got 'abc'; expected a number (FedSOL)"]),
     (["--model.init_args.lr", "abc"], ["model.init_args.lr", "'abc'", "expected a number"]),
     (["--model.init_args.lr_milestones", "abc"], ["model.init_args.lr_milestones", "list of integers"]),
-    (["--trainer.max_epochs", "abc"], ["trainer.max_epochs", "'abc'", "an integer"]),
+    (["--trainer.max_epochs", "abc"], ["--trainer.max_epochs: got 'abc'; expected an integer"]),
     (["--trainer.precision", "banana"], ["trainer.precision", "'banana'", "bf16-mixed", "32-true", "64-true"]),
     (["--trainer.precision", "8"], ["trainer.precision", "'8'", "bf16-mixed"]),
     (["--data.num_clients", "2.5"], ["data.num_clients", "'2.5'", "an integer"]),
@@ -103,18 +109,20 @@ MALFORMED = [
     (["--model", "MOON", "--model.init_args.tau", "0"], ["tau > 0"]),
     (["--model", "FedExP", "--model.init_args.eps", "0"], ["eps must be > 0"]),
     (["--model", "KNNPer", "--model.init_args.num_neighbors", "0"], ["num_neighbors must be >= 1"]),
-    (["--data.num_clients", "0"], ["num_clients must be >= 1"]),
-    (["--data.sample_ratio", "2"], ["sample_ratio must be in (0, 1]"]),
-    (["--data.batch_size", "0"], ["batch_size", "must be >= 1"]),
-    (["--data.eval_batch_size", "0"], ["eval_batch_size must be >= 1"]),
-    (["--data.num_workers", "-1"], ["num_workers and min_size must be >= 0"]),
+    (["--data.num_clients", "0"], ["--data.num_clients must be >= 1, got 0"]),
+    (["--data.sample_ratio", "2"], ["--data.sample_ratio must be in (0, 1]"]),
+    (["--data.local_epochs", "0"], ["--data.local_epochs must be >= 1, got 0"]),
+    (["--data.batch_size", "0"], ["--data.batch_size must be >= 1, got 0"]),
+    (["--data.eval_batch_size", "0"], ["--data.eval_batch_size must be >= 1, got 0"]),
+    (["--data.num_workers", "-1"], ["--data.num_workers must be >= 0, got -1"]),
+    (["--data.min_size", "-1"], ["--data.min_size must be >= 0, got -1"]),
     (["--data.client_test_fraction", "1.5"], ["client_test_fraction must be in (0, 1)"]),
     (["--data.resize", "0"], ["resize must be a positive image size"]),
-    (["--federation.local_eval_samples", "-1"], ["federation.local_eval_samples must be >= 0"]),
-    (["--federation.collapse_rounds", "-1"], ["federation.collapse_rounds must be >= 0"]),
+    (["--federation.local_eval_samples", "-1"], ["--federation.local_eval_samples must be >= 0"]),
+    (["--federation.collapse_rounds", "-1"], ["--federation.collapse_rounds must be >= 0"]),
     # seeds numpy would refuse deep inside, and a model whose layers cannot take the data's images
-    (["--data.seed", "-1"], ["data.seed must be in 0 .. 2^32 - 1"]),
-    (["--data.partition_seed", "-3"], ["data.partition_seed must be in 0 .. 2^32 - 1"]),
+    (["--data.seed", "-1"], ["--data.seed must be in 0 .. 2^32 - 1"]),
+    (["--data.partition_seed", "-3"], ["--data.partition_seed must be in 0 .. 2^32 - 1"]),
     (["--model.init_args.model", "cnn4"], ["model cnn4 cannot take 1x8x8 images", "models that can: fedavg_cnn"]),
     (["--model", "FedProto", "--model.init_args.model", "mlp,cnn4", "--data.client_test_fraction", "0.25"],
      ["model cnn4 cannot take 1x8x8 images"]),
@@ -206,3 +214,72 @@ def test_an_unknown_subcommand_is_answered_without_importing_lightning():
     assert done.stdout.split() == ["2", "False", "False"], (done.stdout, done.stderr)
     assert done.stderr.strip() == ("error: unknown subcommand 'fti' (did you mean fit?); choose one of: fit, validate, "
                                    "test, analyze, sweep, report (fl-lightning --help)")
+
+
+def _cli(*args: str):
+    """The command as a user runs it: its own process (what reaches the terminal, and the exit code)."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "fl_lightning.cli", *args], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+
+
+# the whole line each prints (Lightning's "Seed set to 0" may come before it)
+EXACT = [
+    (["--model", "fedsol"], "error: --model fedsol: unknown method; did you mean FedSOL? "
+                            "(fl-lightning fit --help lists every method)"),
+    (["--model", "FedSOLL"], "error: --model FedSOLL: unknown method; did you mean FedSOL? "
+                             "(fl-lightning fit --help lists every method)"),
+    (["--data.num_clients", "-5"], "error: --data.num_clients must be >= 1, got -5"),
+    (["--data.num_client", "5"], "error: unknown option --data.num_client; did you mean --data.num_clients? "
+                                 "(see fl-lightning fit --help)"),
+]
+
+
+@pytest.mark.parametrize("extra, line", EXACT, ids=[" ".join(e) for e, _ in EXACT])
+def test_a_mistake_is_named_as_typed_in_one_line(extra, line, tmp_path):
+    done = _cli("fit", *BASE, *extra, "--trainer.default_root_dir", str(tmp_path / "run"))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr
+    assert lines[-1] == line and "Traceback" not in done.stderr, done.stderr
+    assert [x for x in lines if x.startswith("error")] == [line]
+    assert not (tmp_path / "run").exists()
+
+
+def _first_option_line(text: str, prefix: str) -> int:
+    lines = text.splitlines()
+    return next(i for i, line in enumerate(lines) if line.startswith(f"  {prefix}"))
+
+
+def test_fit_help_lists_the_federated_groups_before_the_trainer_and_our_ckpt_path():
+    done = _cli("fit", "--help")
+    out = done.stdout
+    assert done.returncode == 0, done.stderr
+    order = [_first_option_line(out, prefix) for prefix in
+             ("--model", "--data.", "--federation.", "--personalization.", "--analysis.", "--trainer.")]
+    assert order == sorted(order), order
+    # the first group after the generic options is the method's
+    groups = out.split("\n\n")
+    first = next(i for i, g in enumerate(groups) if g.startswith("options:"))
+    assert "--model.help" in groups[first + 1]
+    ckpt = out[out.index("  --ckpt_path"):]
+    ckpt = ckpt[: ckpt.index("  --", 4)]
+    assert "`last` to continue this run from its last checkpoint" in ckpt
+    for lightnings in ("hpc", "registry", "best"):
+        assert lightnings not in ckpt, ckpt
+    assert "--model.data_spec" not in out
+
+
+def test_method_help_leaves_out_the_linked_data_spec():
+    done = _cli("fit", "--model.help", "FedSOL")
+    assert done.returncode == 0, done.stderr
+    assert "--model.rho " in done.stdout and "data_spec" not in done.stdout
+
+
+def test_analyze_help_has_its_whole_description():
+    done = _cli("analyze", "--help")
+    assert done.returncode == 0, done.stderr
+    text = " ".join(done.stdout.split())
+    assert "Written to `<run dir>/analysis/posthoc_round_XXX/`, beside (never over) what the fit wrote." in text
+    assert "(needs --ckpt_path), written to:" not in text  # a group title cut mid-sentence

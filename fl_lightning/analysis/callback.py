@@ -119,7 +119,7 @@ class AnalysisCallback(L.Callback):
         if max_hvps < top_k:
             raise FLUserError(f"analysis.max_hvps ({max_hvps}) must be >= analysis.top_k ({top_k})")
         if not surface_radius > 0 or not tol > 0:
-            raise FLUserError(f"analysis.surface_radius and analysis.tol must be > 0, got {surface_radius}, {tol}")
+            raise FLUserError(f"--analysis.surface_radius and --analysis.tol must be > 0, got {surface_radius}, {tol}")
         self.every_n_rounds, self.samples, self.seed, self.top_k = every_n_rounds, samples, seed, top_k
         self.max_hvps, self.tol, self.trace_probes = max_hvps, tol, trace_probes
         self.layerwise, self.layer_hvps = layerwise, layer_hvps
@@ -221,7 +221,8 @@ class AnalysisCallback(L.Callback):
                 raise FLUserError(f"analysis.top_k = {self.top_k} but the model has only {dim} trainable "
                                   f"parameters; choose top_k <= {dim}")
             if self.surface != "none" and dim < 2:
-                raise FLUserError("analysis.surface needs a model with at least 2 parameters; set surface none")
+                raise FLUserError("--analysis.surface needs a model with at least 2 parameters; "
+                                  "set --analysis.surface none")
 
     # ---- data ---------------------------------------------------------------------------------
     def train_subset(self, trainer, device) -> tuple[torch.Tensor, torch.Tensor]:

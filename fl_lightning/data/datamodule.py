@@ -185,6 +185,13 @@ def _reshaped(ds: LabelledDataset, size: int | None, channels: int | None) -> La
     return LabelledDataset(_Reshaped(ds, size, channels), ds.labels, in_memory)
 
 
+def _check_at_least(low: int, **options: int) -> None:
+    """Refuses, in one line, the first of the data module's `options` below `low`."""
+    for name, value in options.items():
+        if value < low:
+            raise FLUserError(f"--data.{name} must be >= {low}, got {value}")
+
+
 class FederatedDataModule(L.LightningDataModule):
     """Dataset, partition and client sampling of a federated run.
 
@@ -260,10 +267,11 @@ class FederatedDataModule(L.LightningDataModule):
     ):
         super().__init__()
         self.spec: DataSpec = spec_of(dataset)  # fails fast on an unknown name, before any loading
+        # every line names the option as the CLI's user types it
         if resize is not None and resize < 1:
-            raise FLUserError(f"resize must be a positive image size, got {resize}")
+            raise FLUserError(f"--data.resize must be a positive image size, got {resize}")
         if to_rgb and self.spec.in_channels not in (1, 3):
-            raise FLUserError(f"to_rgb repeats a grey channel; {dataset} has {self.spec.in_channels} "
+            raise FLUserError(f"--data.to_rgb repeats a grey channel; {dataset} has {self.spec.in_channels} "
                               f"channels")
         self.spec = replace(self.spec, image_size=resize or self.spec.image_size,
                             in_channels=3 if to_rgb else self.spec.in_channels)
@@ -272,22 +280,20 @@ class FederatedDataModule(L.LightningDataModule):
                 f"unknown partition '{partition}'; choose one of: {', '.join(partitioners.PARTITIONERS)}"
             )
         if not 0 < sample_ratio <= 1:
-            raise FLUserError(f"sample_ratio must be in (0, 1], got {sample_ratio}")
-        if local_epochs < 1 or batch_size < 1 or eval_batch_size < 1:
-            raise FLUserError(f"local_epochs, batch_size and eval_batch_size must be >= 1, got {local_epochs}, "
-                              f"{batch_size} and {eval_batch_size}")
-        if num_workers < 0 or min_size < 0:
-            raise FLUserError(f"num_workers and min_size must be >= 0, got {num_workers} and {min_size}")
+            raise FLUserError(f"--data.sample_ratio must be in (0, 1], got {sample_ratio}")
+        _check_at_least(1, num_clients=num_clients, local_epochs=local_epochs, batch_size=batch_size,
+                        eval_batch_size=eval_batch_size)
+        _check_at_least(0, num_workers=num_workers, min_size=min_size)
         if client_test == "split" and client_test_fraction <= 0:
-            raise FLUserError("client_test 'split' needs client_test_fraction in (0, 1)")
+            raise FLUserError("--data.client_test split needs --data.client_test_fraction in (0, 1)")
         if client_test in ("partition", "align") and client_test_fraction > 0:
-            raise FLUserError(f"client_test '{client_test}' takes test data from the global test set; "
-                              f"set client_test_fraction 0 (or use client_test 'split')")
+            raise FLUserError(f"--data.client_test {client_test} takes test data from the global test set; "
+                              f"set --data.client_test_fraction 0 (or use --data.client_test split)")
         if seed is None:  # constructed outside the CLI (which fills in seed_everything)
             seed = 0
         for name, value in (("seed", seed), ("partition_seed", partition_seed)):
             if not 0 <= value < 2**32:  # numpy's and torch's generators take seeds in [0, 2^32)
-                raise FLUserError(f"data.{name} must be in 0 .. 2^32 - 1 (a generator seed), got {value}")
+                raise FLUserError(f"--data.{name} must be in 0 .. 2^32 - 1 (a generator seed), got {value}")
         self.save_hyperparameters()
         self.train_set = self.test_set = None
         self._plain_train_set = None
