@@ -47,6 +47,20 @@ from fl_lightning.personalization import PersonalizationCallback
 from fl_lightning.rundir import RunDirectory
 from fl_lightning.wandb_run import configure_wandb_logger
 
+# what each of Lightning's subcommands does in a federated run (its help's first paragraph)
+DESCRIPTIONS = {
+    "fit": ("Trains a federated run: one epoch of Lightning's loop is one round (the sampled clients' local "
+            "training, then the server's step), with the global model evaluated after every round. Results go "
+            "to the run directory (--trainer.default_root_dir): metrics.csv, clients.csv, summary.json, "
+            "checkpoints/last.ckpt and the analyses' pictures."),
+    "validate": ("Evaluates a checkpoint's global model on the test set (the papers' protocol has no separate "
+                 "validation split; model-heterogeneous methods: every client's own model on its own test split) "
+                 "and prints its round and accuracy, leaving the run's files as they were."),
+    "test": ("Evaluates a checkpoint's global model on the test set (model-heterogeneous methods: every client's "
+             "own model on its own test split) and prints its round and accuracy, leaving the run's files as "
+             "they were."),
+}
+
 
 class FLArgumentParser(LightningArgumentParser):
     """LightningCLI's parser, minus the help of a method's `data_spec`: the CLI links it from the
@@ -85,6 +99,9 @@ class FLCLIParsing(LightningCLI):
                    "trainer.default_root_dir) or a path to a .ckpt file",
     }
     CKPT_PATH_HELP["test"] = CKPT_PATH_HELP["validate"]
+    # Lightning's text advises `false` for trusted files; this CLI reads every checkpoint as data
+    WEIGHTS_ONLY_HELP = ("has no effect: every checkpoint is read as data only (torch's weights_only=True), and "
+                         "a file that holds code or objects is refused")
     # --help's usage line: the groups rather than every one of their options, which the help lists
     USAGE = ("%(prog)s [-h] [-c CONFIG] [--print_config] [--model METHOD]\n"
              "       [--{model,data,federation,personalization,analysis,trainer}.OPTION VALUE ...]\n"
@@ -106,7 +123,9 @@ class FLCLIParsing(LightningCLI):
         for name in self.subcommands():
             own = {"usage": self.USAGE + (" [--overwrite true]" if name == "fit" else "")}
             doc = docstring_parser.parse(getattr(trainer_class, name, None).__doc__ or "") if trainer_class else None
-            if doc is not None and doc.short_description:
+            if name in DESCRIPTIONS:  # Lightning's words for its own loops, not a federated run's
+                own["description"] = DESCRIPTIONS[name]
+            elif doc is not None and doc.short_description:
                 own["description"] = " ".join(filter(None, (doc.short_description, doc.long_description)))
             kwargs[name] = {**own, **given.get(name, {})}
         return kwargs
@@ -121,6 +140,8 @@ class FLCLIParsing(LightningCLI):
             for action in compat.parser_actions(parser):
                 if action.dest == "ckpt_path" and name in self.CKPT_PATH_HELP:
                     action.help = self.CKPT_PATH_HELP[name]
+                elif action.dest == "weights_only":
+                    action.help = self.WEIGHTS_ONLY_HELP
 
     def subcommands(self) -> dict[str, set[str]]:
         """fit, validate, test and analyze (FLTrainer.analyze: the --analysis.* analyses of a

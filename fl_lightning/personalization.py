@@ -29,8 +29,10 @@ from fl_lightning.methods.base import LossContext
 
 
 class PersonalizationCallback(L.Callback):
-    """Personalised evaluation: fine-tunes a copy of the global model on every client and reports
-    its accuracy on the client's own test set (the global model is never changed).
+    """Personalised evaluation: each client's fine-tuned copy of the global model, on its own test set.
+
+    Fine-tunes a copy of the global model on every client and reports its accuracy on the
+    client's own test set (the global model is never changed).
 
     Args:
         enabled: run personalised evaluation at all.

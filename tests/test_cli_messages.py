@@ -269,6 +269,15 @@ def test_fit_help_lists_the_federated_groups_before_the_trainer_and_our_ckpt_pat
     for lightnings in ("hpc", "registry", "best"):
         assert lightnings not in ckpt, ckpt
     assert "--model.data_spec" not in out
+    text = " ".join(out.split())
+    # the description is a federated run's, not Lightning's loop's; group titles are whole phrases
+    assert "Trains a federated run: one epoch of Lightning's loop is one round" in text
+    assert "Runs the full optimization routine." not in text
+    assert "Options of the method and of its clients' local training:" in text
+    assert "step (manual:" not in text
+    weights_only = " ".join(out[out.index("  --weights_only"):].split())
+    assert "has no effect: every checkpoint is read as data only" in weights_only
+    assert "use ``weights_only=False``" not in weights_only
 
 
 def test_method_help_leaves_out_the_linked_data_spec():

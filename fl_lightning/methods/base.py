@@ -144,7 +144,9 @@ def seed_rngs(seed: int, device: torch.device) -> None:
 
 @abstract_base
 class FederatedMethod(L.LightningModule):
-    """The common base of both method families: the local optimizer and step (manual
+    """Options of the method and of its clients' local training.
+
+    The common base of both method families: the local optimizer and step (manual
     optimization through `sgd_step`), one Trainer batch = one client (`training_step` calls
     `minibatch_step` per local mini-batch), per-step logs, per-client state, and the round's
     hooks the federated callback calls. `SharedModelMethod` (one global model) and
