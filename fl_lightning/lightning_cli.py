@@ -75,8 +75,6 @@ class FLCLI(FLCLIParsing):
         super().__init__(*args, **kwargs)
 
     def before_fit(self) -> None:
-        if self.subcommand == "fit":
-            self._check_rounds_left()
         # Load and partition the data before the run starts, so a missing file or an impossible
         # partition fails in seconds, before the run directory is claimed or a logger run created.
         self.datamodule.setup("fit")
@@ -87,18 +85,16 @@ class FLCLI(FLCLIParsing):
             print(header_line(self), flush=True)
         describe_wandb_run(self.trainer.loggers, self.config.get(self.subcommand, self.config))
 
-    def _check_rounds_left(self) -> None:
-        """`fit --ckpt_path last` of a run that has already run its rounds: Lightning would load the
-        checkpoint and end at once, saying nothing that a researcher would read as "nothing to do";
-        one line says so and how to continue, and the run stays as it was."""
+    def _finished_line(self) -> str | None:
+        """`fit --ckpt_path last` of a run that had already run its rounds: Lightning loads the
+        checkpoint and ends at once (the run's records are written again), and without this line
+        nothing said that nothing was trained, nor how to continue."""
         rounds, max_rounds = self.checkpoint_rounds, self.trainer.max_epochs
         if not self.subcommand_config().get("ckpt_path") or max_rounds is None or not 0 <= max_rounds <= rounds:
-            return
-        if is_first_process():
-            print(f"nothing to train: the run in {self._run_root} finished at round {rounds} "
-                  f"(trainer.max_epochs {max_rounds}); to continue it, run the same command with a larger "
-                  f"--trainer.max_epochs (e.g. --trainer.max_epochs {2 * rounds})", flush=True)
-        raise NothingToTrain()
+            return None
+        return (f"nothing to train: the run finished at round {rounds} (trainer.max_epochs {max_rounds}); "
+                f"to continue it, run the same command with a larger --trainer.max_epochs "
+                f"(e.g. --trainer.max_epochs {2 * rounds})")
 
     def before_validate(self) -> None:
         self.before_fit()
@@ -107,7 +103,7 @@ class FLCLI(FLCLIParsing):
     before_test = before_analyze = before_validate
 
     def after_fit(self) -> None:
-        self._end_with(self._results_line() if self.subcommand == "fit" else None)
+        self._end_with(self._finished_line(), self._results_line())
 
     def _end_with(self, *lines: str | None) -> None:
         """Closes the W&B run and prints the command's last lines (rank 0), read before the run is
@@ -190,10 +186,6 @@ TRAINER_DEFAULTS = {
 }
 
 
-class NothingToTrain(Exception):
-    """`fit --ckpt_path last` of a finished run: said, and the command ends with exit code 0."""
-
-
 def header_line(cli) -> str:
     """The fit's first line: what runs, on what, and where it is written."""
     trainer, data = cli.trainer, cli.datamodule.hparams
@@ -203,7 +195,7 @@ def header_line(cli) -> str:
         method += f" ({architecture})"
     partition = {"dirichlet": f"dirichlet alpha {data.alpha}", "shard": f"{data.shards_per_client} shards each",
                  "pathological": f"{data.classes_per_client} classes each"}.get(data.partition, data.partition)
-    rounds = f"{trainer.max_epochs} rounds"
+    rounds = f"{trainer.max_epochs} round{'' if trainer.max_epochs == 1 else 's'}"
     if cli.checkpoint_rounds:
         rounds += f" (resuming after round {cli.checkpoint_rounds})"
     seed = cli.subcommand_config().get("seed_everything")
@@ -284,8 +276,6 @@ def main(args: list[str] | None = None) -> None:
             sys.argv[1:] = args  # LightningCLI reads the command line itself (and warns if also given args)
         cli = build_cli(args if lifecycle.in_process else None)
         ending = Ending(cli.exit_code(), cli.stop_line())
-    except NothingToTrain:
-        ending = Ending(0)
     except FLInterrupted as err:
         ending = lifecycle.interrupted(err)
     except Exception as err:

@@ -101,16 +101,18 @@ def test_analyze_validate_and_test_on_the_runs_own_config_leave_the_fit_alone(fi
     assert fit_files(fitted) == before
 
 
-def test_resuming_a_finished_run_says_it_finished_and_how_to_continue(fitted, capsys):
-    """`--ckpt_path last` on a run that has run its rounds used to train nothing and say nothing."""
-    before = fit_files(fitted)
+def test_resuming_a_finished_run_says_it_finished_and_how_to_continue(tmp_path, capsys):
+    """`--ckpt_path last` on a run that has run its rounds writes its records again and trains
+    nothing; it used to say nothing of it."""
+    root = tmp_path / "run"
+    assert run(["fit", *SMALL, "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(root)]) == 0
     capsys.readouterr()
-    assert run(["fit", "--config", str(fitted / "config.yaml"), "--ckpt_path", "last"]) == 0
-    out = capsys.readouterr().out
-    assert out.strip().splitlines() == [
-        f"nothing to train: the run in {fitted} finished at round 2 (trainer.max_epochs 2); to continue it, run "
-        f"the same command with a larger --trainer.max_epochs (e.g. --trainer.max_epochs 4)"], out
-    assert fit_files(fitted) == before  # no W&B run, no rewritten summary
+    assert run(["fit", "--config", str(root / "config.yaml"), "--ckpt_path", "last"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("fit FedSOL (mlp) on digits: ") and "1 round (resuming after round 1)" in lines[0]
+    assert lines[1:-1] == ["nothing to train: the run finished at round 1 (trainer.max_epochs 1); to continue it, run "
+                           "the same command with a larger --trainer.max_epochs (e.g. --trainer.max_epochs 2)"], lines
+    assert lines[-1].startswith(f"run directory {root}: ")
 
 
 def test_an_abbreviated_option_is_refused_with_the_full_name(tmp_path, capsys):
