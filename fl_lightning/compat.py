@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import warnings
 from typing import Any
 
-# Lightning's start-up advertisement for its hosted services (`rank_zero_info("💡 Tip: ...")` in
-# its logger and checkpoint connectors), logged whenever neither LitLogger nor litmodels is in use.
-LIGHTNING_TIP_PREFIX = "💡 Tip:"
-# Lightning 2.6's own pytree helper calls an API torch >= 2.9 deprecates (a Lightning matter,
-# printed once per run at the first batch); nothing a user of fl-lightning can act on.
+# Lightning 2.6's own pytree helper calls an API torch >= 2.9 deprecates.
 LIGHTNING_PYTREE_DEPRECATION = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
 
 
@@ -354,17 +351,37 @@ def list_installed_packages_once() -> None:
     wandb.util.working_set = listed_once
 
 
-class _DropLightningTips(logging.Filter):
+class _DropLightningInfo(logging.Filter):
+    """Drops the info lines Lightning itself logs through its rank-zero logger (device availability,
+    `Trainer.fit` stopped, checkpoint restored, hosted-service tips): the CLI's header line says
+    what a researcher needs of them. fl-lightning's own lines go through the same logger
+    (`rank_zero_info`), so the logger's level cannot be raised; they are told apart by where they
+    were logged from: `rank_zero_info` logs with the stack level of its caller, so a record's
+    pathname is the module that called it. Warnings and errors always pass."""
+
+    def __init__(self):
+        super().__init__()
+        import lightning
+
+        self.lightning_dir = os.path.dirname(os.path.abspath(lightning.__file__)) + os.sep
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(LIGHTNING_TIP_PREFIX)
+        return record.levelno >= logging.WARNING or not record.pathname.startswith(self.lightning_dir)
+
+
+# the loggers behind rank_zero_info: Lightning's and Fabric's (the last imported of the two is used)
+_RANK_ZERO_LOGGERS = ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero")
 
 
 def quiet_library_notices() -> None:
-    """Silence exactly two library notices at their source's logger/module, nothing else: Lightning's
-    hosted-service tips and its pytree helper's torch deprecation warning (see the constants)."""
-    tip_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-    if not any(isinstance(f, _DropLightningTips) for f in tip_logger.filters):
-        tip_logger.addFilter(_DropLightningTips())
+    """Silence Lightning's own info lines (see _DropLightningInfo), its `Seed set to N` (the header
+    line gives the seed) and its pytree helper's torch deprecation warning (a Lightning matter,
+    printed once per run at the first batch; nothing a user of fl-lightning can act on), nothing else."""
+    for name in _RANK_ZERO_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropLightningInfo) for f in logger.filters):
+            logger.addFilter(_DropLightningInfo())
+    logging.getLogger("lightning.fabric.utilities.seed").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=LIGHTNING_PYTREE_DEPRECATION,
                             module="lightning.pytorch.utilities._pytree")
 

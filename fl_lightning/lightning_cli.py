@@ -43,10 +43,11 @@ from lightning.pytorch.callbacks import Checkpoint, ProgressBar
 from lightning.pytorch.strategies import DDPStrategy
 
 from fl_lightning import compat
+from fl_lightning.analysis.callback import AnalysisCallback
 from fl_lightning.checkpointing import AtomicCheckpointIO, RoundCheckpoint
 from fl_lightning.cli_parsing import FLArgumentParser, FLCLIParsing
 from fl_lightning.config_files import layered_config_args
-from fl_lightning.data.datamodule import FederatedDataModule
+from fl_lightning.data.datamodule import FederatedDataModule, clients_per_round
 from fl_lightning.federation import federation_of
 from fl_lightning.methods import FederatedMethod
 from fl_lightning.outcome import EXIT_STOPPED, FLInterrupted
@@ -81,7 +82,19 @@ class FLCLI(FLCLIParsing):
             self.run_dir = RunDirectory(self._run_root)
             self.run_dir.prepare_fit(resuming=bool(self.subcommand_config().get("ckpt_path")),
                                      overwrite=self._overwrite)
+            print(header_line(self), flush=True)
         describe_wandb_run(self.trainer.loggers, self.config.get(self.subcommand, self.config))
+
+    def _finished_line(self) -> str | None:
+        """`fit --ckpt_path last` of a run that had already run its rounds: Lightning loads the
+        checkpoint and ends at once (the run's records are written again), and without this line
+        nothing said that nothing was trained, nor how to continue."""
+        rounds, max_rounds = self.checkpoint_rounds, self.trainer.max_epochs
+        if not self.subcommand_config().get("ckpt_path") or max_rounds is None or not 0 <= max_rounds <= rounds:
+            return None
+        return (f"nothing to train: the run finished at round {rounds} (trainer.max_epochs {max_rounds}); "
+                f"to continue it, run the same command with a larger --trainer.max_epochs "
+                f"(e.g. --trainer.max_epochs {2 * rounds})")
 
     def before_validate(self) -> None:
         self.before_fit()
@@ -90,29 +103,38 @@ class FLCLI(FLCLIParsing):
     before_test = before_analyze = before_validate
 
     def after_fit(self) -> None:
-        where = self._results_line() if self.subcommand == "fit" and self.trainer.is_global_zero else None
+        self._end_with(self._finished_line(), self._results_line())
+
+    def _end_with(self, *lines: str | None) -> None:
+        """Closes the W&B run and prints the command's last lines (rank 0), read before the run is
+        closed (they say where the W&B run went)."""
+        lines = tuple(line for line in lines if line) if self.trainer.is_global_zero else ()
         refused = finish_wandb(exit_code=self.exit_code())
         if refused is not None:
             raise refused  # the run's records are complete, its W&B run is not: lost, in one line
-        if where:
-            print(where)
+        for line in lines:
+            print(line)
 
     def _results_line(self) -> str:
-        """Where the fit's results are, and how to upload an offline W&B run."""
+        """Where the fit's results are, and where its W&B run went."""
         return (f"run directory {self._run_root}: metrics.csv, clients.csv, summary.json, checkpoints/last.ckpt"
                 f"{sync_hint()}")
 
     def after_validate(self) -> None:
         """One line that says which round the numbers are of (the checkpoint's, not Lightning's
-        epoch counter, which starts at 0 when a checkpoint is only evaluated)."""
+        epoch counter, which starts at 0 when a checkpoint is only evaluated) and where the W&B run
+        went; `analyze` ends with where its pictures went."""
         key = getattr(self.model, "accuracy_key", "global/test_acc")
         metrics = self.trainer.callback_metrics
-        if key in metrics and self.trainer.is_global_zero:
+        line = f"{self.subcommand} of the round-{self.checkpoint_rounds} checkpoint"
+        if key in metrics:
             loss = metrics.get(key.replace("_acc", "_loss"))
-            rounds = self.checkpoint_rounds
-            line = f"{self.subcommand} of the round-{rounds} checkpoint: {key} {float(metrics[key]):.4f}"
-            print(line + (f", loss {float(loss):.4f}" if loss is not None else ""))
-        self.after_fit()
+            line += f": {key} {float(metrics[key]):.4f}" + (f", loss {float(loss):.4f}" if loss is not None else "")
+        analysis = next((c for c in self.trainer.callbacks if isinstance(c, AnalysisCallback)), None)
+        if self.subcommand == "analyze" and analysis is not None and analysis.written is not None:
+            self._end_with(line, f"analysis written to {analysis.written}{sync_hint()}")
+        else:
+            self._end_with(line + sync_hint())
 
     after_test = after_analyze = after_validate
 
@@ -158,7 +180,38 @@ TRAINER_DEFAULTS = {
     "use_distributed_sampler": False,  # the round sampler shards batches across ranks itself
     "logger": {"class_path": "fl_lightning.loggers.FLWandbLogger"},
     "log_every_n_steps": 1,
+    # the header line says what the run is; Lightning's table of modules is behind
+    # --trainer.enable_model_summary true
+    "enable_model_summary": False,
 }
+
+
+def header_line(cli) -> str:
+    """The fit's first line: what runs, on what, and where it is written."""
+    trainer, data = cli.trainer, cli.datamodule.hparams
+    method = type(cli.model).__name__
+    architecture = (getattr(cli.model, "hparams", None) or {}).get("model")
+    if isinstance(architecture, str):
+        method += f" ({architecture})"
+    partition = {"dirichlet": f"dirichlet alpha {data.alpha}", "shard": f"{data.shards_per_client} shards each",
+                 "pathological": f"{data.classes_per_client} classes each"}.get(data.partition, data.partition)
+    rounds = f"{trainer.max_epochs} round{'' if trainer.max_epochs == 1 else 's'}"
+    if cli.checkpoint_rounds:
+        rounds += f" (resuming after round {cli.checkpoint_rounds})"
+    seed = cli.subcommand_config().get("seed_everything")
+    return (f"fit {method} on {data.dataset}: {data.num_clients} clients ({partition}), "
+            f"{clients_per_round(data.num_clients, data.sample_ratio)} per round, {rounds}; "
+            f"{_device(trainer)}, precision {trainer.precision}"
+            f"{f', seed {seed}' if seed is not None and seed is not False else ''}; run directory {cli._run_root}")
+
+
+def _device(trainer) -> str:
+    """`cpu`, `cuda:0`, or `2 x cuda` (`4 nodes x 2 cuda`) for a run over several processes."""
+    kind = type(trainer.accelerator).__name__.removesuffix("Accelerator").lower()
+    devices, nodes = trainer.num_devices, trainer.num_nodes
+    if devices * nodes == 1:
+        return str(trainer.strategy.root_device)
+    return f"{nodes} nodes x {devices} {kind}" if nodes > 1 else f"{devices} x {kind}"
 
 
 class _ParserBuilt(BaseException):

@@ -46,6 +46,7 @@ from fl_lightning.outcome import (
     lost_peer,
 )
 from fl_lightning.parallel import lost_processes, reported_elsewhere
+from fl_lightning.progress import close_bars
 from fl_lightning.results import ResultsCallback
 from fl_lightning.rundir import is_first_process
 from fl_lightning.wandb_run import finish_wandb
@@ -140,6 +141,8 @@ class RunLifecycle:
         error) and exits with the code (returns for 0)."""
         said = ending.line and (self.first or _parent_gone() or ending.says_own_error)
         unsaid = [f"error: {ending.line}"] if said else []
+        if said:
+            close_bars()  # the line starts a line of its own, not the bar's
         if not self.in_process:
             _end_on_signal(ending.code, unsaid)
         while unsaid:

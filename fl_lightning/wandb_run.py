@@ -61,12 +61,16 @@ def log_as_checkpoint_round(loggers, rounds: int) -> None:
 
 
 def sync_hint() -> str:
-    """"; upload to W&B with: wandb sync <dir>" while an offline W&B run is open, else ""."""
+    """Where the command's W&B run went, as the end of its last line: "; upload to W&B with: wandb
+    sync <dir>" while an offline W&B run is open, "; W&B run: <url>" for an online one, else ""."""
     wandb = sys.modules.get("wandb")
     run = wandb.run if wandb is not None else None
-    if run is not None and run.settings.mode in ("offline", "dryrun"):
+    if run is None:
+        return ""
+    if run.settings.mode in ("offline", "dryrun"):
         return f"; upload to W&B with: wandb sync {Path(run.dir).parent}"
-    return ""
+    url = getattr(run, "url", None)
+    return f"; W&B run: {url}" if url else ""
 
 
 def finish_wandb(exit_code: int) -> OSError | None:

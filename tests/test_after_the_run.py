@@ -9,6 +9,7 @@ import json
 import os
 import pty
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,9 @@ from test_outcomes import env
 
 from fl_lightning.loggers import offline_records
 
+# What Lightning prints on its own at a fit's start and end, which the header line replaces
+LIGHTNING_NOISE = ("GPU available", "TPU available", "Total Flops", "Seed set to", "`Trainer.fit` stopped",
+                   "Restoring states", "Restored all states")
 ANALYSIS = ["--analysis.every_n_rounds", "2", "--analysis.samples", "200", "--analysis.surface_points", "3",
             "--analysis.max_hvps", "12", "--analysis.layer_hvps", "3", "--analysis.top_k", "2"]
 
@@ -97,6 +101,20 @@ def test_analyze_validate_and_test_on_the_runs_own_config_leave_the_fit_alone(fi
     assert fit_files(fitted) == before
 
 
+def test_resuming_a_finished_run_says_it_finished_and_how_to_continue(tmp_path, capsys):
+    """`--ckpt_path last` on a run that has run its rounds writes its records again and trains
+    nothing; it used to say nothing of it."""
+    root = tmp_path / "run"
+    assert run(["fit", *SMALL, "--trainer.max_epochs", "1", "--trainer.default_root_dir", str(root)]) == 0
+    capsys.readouterr()
+    assert run(["fit", "--config", str(root / "config.yaml"), "--ckpt_path", "last"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("fit FedSOL (mlp) on digits: ") and "1 round (resuming after round 1)" in lines[0]
+    assert lines[1:-1] == ["nothing to train: the run finished at round 1 (trainer.max_epochs 1); to continue it, run "
+                           "the same command with a larger --trainer.max_epochs (e.g. --trainer.max_epochs 2)"], lines
+    assert lines[-1].startswith(f"run directory {root}: ")
+
+
 def test_an_abbreviated_option_is_refused_with_the_full_name(tmp_path, capsys):
     code = run(["fit", *SMALL, "--data.num_client", "10", "--trainer.default_root_dir", str(tmp_path / "run")])
     err = capsys.readouterr().err.strip().splitlines()
@@ -121,16 +139,15 @@ def test_a_failed_start_leaves_nothing_and_names_the_data_first(tmp_path, capsys
     assert sorted(p.name for p in held.iterdir()) == ["summary.json"]
 
 
-def test_a_fit_on_a_terminal_shows_rounds_no_library_noise_and_where_the_results_are(tmp_path):
-    """Under a pseudo-terminal that reports a 0 x 0 size (as `script` and job runners give one)."""
-    root = tmp_path / "run"
+def on_a_terminal(*args: str, interrupt_at: str | None = None) -> tuple[int, str]:
+    """(exit code, output) of `fl-lightning <args>` under a pseudo-terminal that reports a 0 x 0
+    size (as `script` and job runners give one); with `interrupt_at`, SIGINT once the output shows it."""
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "fl_lightning.cli", "fit", *SMALL, "--trainer.max_epochs", "2",
-                             "--trainer.default_root_dir", str(root)],
+    proc = subprocess.Popen([sys.executable, "-m", "fl_lightning.cli", *args],
                             env={k: v for k, v in env().items() if k != "WANDB_SILENT"},
                             stdout=slave, stderr=slave, cwd=REPO)
     os.close(slave)
-    chunks = []
+    out = b""
     while True:
         try:
             chunk = os.read(master, 65536)
@@ -138,10 +155,18 @@ def test_a_fit_on_a_terminal_shows_rounds_no_library_noise_and_where_the_results
             break
         if not chunk:
             break
-        chunks.append(chunk)
+        out += chunk
+        if interrupt_at is not None and interrupt_at.encode() in out:
+            proc.send_signal(signal.SIGINT)
+            interrupt_at = None
     os.close(master)
-    assert proc.wait(timeout=300) == 0
-    text = b"".join(chunks).decode(errors="replace")
+    return proc.wait(timeout=300), out.decode(errors="replace")
+
+
+def test_a_fit_on_a_terminal_shows_rounds_no_library_noise_and_where_the_results_are(tmp_path):
+    root = tmp_path / "run"
+    code, text = on_a_terminal("fit", *SMALL, "--trainer.max_epochs", "2", "--trainer.default_root_dir", str(root))
+    assert code == 0, text[-2000:]
     assert "Round 2/2: 100%" in text, text[-2000:]
     # each round's line starts a line of its own above the bar (it used to be written into the bar:
     # `...| 2/2 [00:00<00:00, 11.75it/s]round 1/2: global test acc ...`), and no second bar is drawn
@@ -149,12 +174,28 @@ def test_a_fit_on_a_terminal_shows_rounds_no_library_noise_and_where_the_results
     for number in (1, 2):
         assert re.search(rf"(^|[\r\n])round {number}/2: global test acc", text), text[-2000:]
     assert "Validation" not in text
+    # the bar is drawn with its round and total from its first frame (it used to be drawn as
+    # `Training: | 0/?` and `Epoch 0:` first), and Lightning's start-up lines are one header line
+    assert text.lstrip().startswith(f"fit FedSOL (mlp) on digits: 10 clients (dirichlet alpha 0.1), 2 per round, "
+                                    f"2 rounds; cpu, precision 32-true, seed 0; run directory {root}\r\n"), text[:500]
     for noise in ("Tip:", "anonymous", "weights_only", "LeafSpec", "transfer_batch_to_device",
-                  "LightningCLI's args", "Warning", "warn"):
+                  "LightningCLI's args", "Warning", "warn", "Epoch 0", "0/?", "Training:", *LIGHTNING_NOISE):
         assert noise not in text, noise
     last = [line for line in text.replace("\r", "\n").splitlines() if line.strip()][-1]
     assert last.startswith(f"run directory {root}: metrics.csv"), last
     assert "wandb sync " + str(root / "wandb" / "offline-run-") in last
+
+
+def test_an_interrupted_fit_on_a_terminal_says_so_on_a_line_of_its_own(tmp_path):
+    """Ctrl-C while the bar is drawn: the bar is cleared and the error line starts at the line's
+    start (it was written into the bar: `...global/test_acc=0.100]error: interrupted ...`)."""
+    root = tmp_path / "run"
+    code, text = on_a_terminal("fit", *SMALL, "--trainer.max_epochs", "50", "--trainer.default_root_dir", str(root),
+                               interrupt_at="Round 3/50:")
+    assert code == 130, text[-2000:]
+    assert re.search(r"[\r\n]error: interrupted by SIGINT in round \d+/50; \d+ completed round\(s\) are saved", text), \
+        text[-2000:]
+    assert "]error:" not in text
 
 
 def test_the_wandb_run_has_one_history_row_per_round_and_its_clients_table_at_the_end(fitted):
@@ -230,16 +271,33 @@ def test_the_readmes_post_run_commands_as_a_user_types_them(tmp_path):
               *SMALL[4:], *ANALYSIS, "--trainer.max_epochs", "2", cwd=tmp_path)
     assert fit.returncode == 0, fit.stderr[-3000:]
     run_dir = tmp_path / "runs" / "mnist5k" / "fedsol"
-    assert fit.stdout.strip().splitlines()[-1].startswith("run directory runs/mnist5k/fedsol: metrics.csv")
+    first, *_, last = fit.stdout.strip().splitlines()
+    assert first == ("fit FedSOL (mlp) on digits: 10 clients (dirichlet alpha 0.1), 2 per round, 2 rounds; cpu, "
+                     "precision 32-true, seed 0; run directory runs/mnist5k/fedsol")
+    assert last.startswith("run directory runs/mnist5k/fedsol: metrics.csv")
+    for noise in LIGHTNING_NOISE:
+        assert noise not in fit.stdout + fit.stderr, noise
     before = fit_files(run_dir)
     assert {"config.yaml", "metrics.csv", "analysis/round_002/analysis.json"} <= set(before)
     R = "runs/mnist5k/fedsol"
     for command in ("analyze", "validate", "test"):
         done = cli(command, "--config", f"{R}/config.yaml", "--ckpt_path", f"{R}/checkpoints/last.ckpt", cwd=tmp_path)
         assert done.returncode == 0, (command, done.stderr[-3000:])
-        assert f"{command} of the round-2 checkpoint: global/test_acc" in done.stdout, done.stdout
+        lines = done.stdout.strip().splitlines()
+        assert lines[-1 if command != "analyze" else -2].startswith(f"{command} of the round-2 checkpoint: "
+                                                                     "global/test_acc"), done.stdout
+        # where the command's W&B run went, as a fit says it
+        assert lines[-1].rpartition("; upload to W&B with: wandb sync ")[2].startswith(
+            f"{R}/posthoc/wandb/offline-run-"), lines[-1]
         assert "round 1/2" not in done.stdout + done.stderr
         assert fit_files(run_dir) == before, command
+        if command == "analyze":  # a line as each stage starts (a bar each on a terminal), then where it wrote
+            assert lines[-1].startswith(f"analysis written to {R}/analysis/posthoc_round_002; "), lines[-1]
+            stages = [line for line in done.stderr.splitlines() if line.startswith("analysis: ")]
+            assert stages == ["analysis: Hessian top-2 eigenvalues, up to 12 Hessian-vector products",
+                              "analysis: Hessian trace, 10 Hessian-vector products",
+                              "analysis: Hessian lambda_1 of 2 layers, up to 6 Hessian-vector products",
+                              "analysis: loss surface, hessian directions, 9 points"], done.stderr
     assert (run_dir / "analysis" / "posthoc_round_002" / "spectrum.png").exists()
     inside = cli("validate", "--config", "config.yaml", "--ckpt_path", "checkpoints/last.ckpt", cwd=run_dir)
     assert inside.returncode == 0, inside.stderr[-3000:]

@@ -121,10 +121,14 @@ def test_wandb_init_kwargs_reach_the_run_and_the_run_is_created_lazily(tmp_path,
         wandb.finish()
 
 
-def test_quiet_library_notices_drop_lightnings_tips_and_its_pytree_deprecation_only(caplog):
+def test_quiet_library_notices_drop_lightnings_own_info_lines_and_its_pytree_deprecation_only(caplog, monkeypatch):
+    """Lightning's info lines (`GPU available: ...`, `Seed set to 0`) are told from fl-lightning's,
+    which go through the same rank-zero logger, by the module that logged them: rank_zero_info
+    logs with its caller's stack level (the internal this relies on)."""
     import logging
     import warnings
 
+    from lightning.pytorch import Trainer, seed_everything
     from lightning.pytorch.utilities._pytree import _tree_flatten
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
@@ -133,12 +137,26 @@ def test_quiet_library_notices_drop_lightnings_tips_and_its_pytree_deprecation_o
         _tree_flatten({"a": [1, 2]})
     assert any("LeafSpec" in str(w.message) for w in caught)
 
-    compat.quiet_library_notices()
-    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
-        rank_zero_info(compat.LIGHTNING_TIP_PREFIX + " try our cloud")
-        rank_zero_info("Seed set to 0")
-    messages = [r.getMessage() for r in caplog.records]
-    assert "Seed set to 0" in messages and not any("cloud" in m for m in messages)
+    def logged() -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            rank_zero_info("round 1/2: global test acc 0.5")
+            seed_everything(0)
+            Trainer(logger=False, enable_checkpointing=False, accelerator="cpu")
+        return [r.getMessage() for r in caplog.records]
+
+    # as before any CLI run of this process quietened them
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        monkeypatch.setattr(logging.getLogger(name), "filters", [])
+    seed_logger = logging.getLogger("lightning.fabric.utilities.seed")
+    level = seed_logger.level
+    seed_logger.setLevel(logging.NOTSET)
+    try:
+        assert {"Seed set to 0", "GPU available: False, used: False"} <= set(logged())  # Lightning still says them
+        compat.quiet_library_notices()
+        assert logged() == ["round 1/2: global test acc 0.5"]
+    finally:
+        seed_logger.setLevel(level)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         compat.quiet_library_notices()

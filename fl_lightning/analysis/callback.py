@@ -22,6 +22,7 @@ from the global RNG).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -44,6 +45,7 @@ from fl_lightning.atomic import atomic_write_bytes
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import LOCAL_CLASS_ACC, federation_before, federation_of
 from fl_lightning.loggers import FLWandbLogger
+from fl_lightning.progress import StageBars, close_bars
 from fl_lightning.round_metrics import log_round_metrics
 
 SURFACE_KINDS = (*DIRECTION_KINDS, "none")
@@ -129,6 +131,7 @@ class AnalysisCallback(L.Callback):
         self.max_client_models, self.chunk_size, self.hvp = max_client_models, chunk_size, hvp
         self.forced = False  # `fl-lightning analyze` sets this: analyse the loaded checkpoint once
         self.checkpoint_round = 0  # and this: the rounds the checkpointed model has been through
+        self.written: Path | None = None  # the folder the last analysis was written to
         self._train_subset: tuple[torch.Tensor, torch.Tensor] | None = None
         self._test_subset: tuple[torch.Tensor, torch.Tensor] | None = None
         self._round_start: dict[str, torch.Tensor] | None = None
@@ -193,6 +196,7 @@ class AnalysisCallback(L.Callback):
         self.check_model(pl_module)  # on every rank: a user error must stop all of them
         if not trainer.is_global_zero:
             return
+        close_bars()  # the evaluation's bar is complete: the analysis's own bars and lines go below it
         round_no = self.checkpoint_round
         files: dict[str, Any] = {}
         with torch.inference_mode(False):  # validation runs in inference mode; the analysis needs autograd
@@ -311,6 +315,9 @@ class AnalysisCallback(L.Callback):
     def run_analysis(self, trainer, pl_module, round_no: int, files: dict) -> dict[str, float]:
         scalars: dict[str, float] = {}
         for prefix, model in self.models(pl_module):
+            # `analyze` shows its stages (minutes each on a large model); during a fit the round's
+            # bar and its analysis line are the progress
+            progress = StageBars(f"analysis{' of ' + prefix.rstrip('/') if prefix else ''}") if self.forced else None
             # a heterogeneous client's model waits on the CPU between its rounds
             device = next(model.parameters()).device
             x, y = self.train_subset(trainer, device)
@@ -319,7 +326,7 @@ class AnalysisCallback(L.Callback):
             scalars[f"{prefix}train_subset_loss"], scalars[f"{prefix}train_subset_acc"] = loss, acc
             started = time.perf_counter()
             spectrum = hessian_spectrum(objective, self.top_k, self.max_hvps, self.tol, self.trace_probes,
-                                        self.layerwise, self.layer_hvps, self.seed)
+                                        self.layerwise, self.layer_hvps, self.seed, progress)
             objective.release_graph()  # the surface needs forward passes only
             scalars.update({f"{prefix}{k}": v for k, v in spectrum.scalars().items()})
             files[f"{prefix}spectrum"] = info = {**spectrum.scalars(), "top": spectrum.top, "subset_loss": loss,
@@ -328,7 +335,7 @@ class AnalysisCallback(L.Callback):
             self._spectrum_pictures(trainer, prefix, round_no, spectrum, files)
             if self.surface != "none":
                 started = time.perf_counter()
-                self._surface(trainer, objective, spectrum, prefix, round_no, files)
+                self._surface(trainer, objective, spectrum, prefix, round_no, files, progress)
                 info["surface_seconds"] = time.perf_counter() - started
         rank_zero_info("analysis, round " + str(round_no) + ": " + ", ".join(
             f"{k} {v:.4g}" for k, v in scalars.items() if "layer" not in k and "/" not in k[len("client_0/"):]))
@@ -356,7 +363,7 @@ class AnalysisCallback(L.Callback):
             media[f"analysis/{prefix}spectrum_history"] = ("image", trend)
         self._log_media(trainer, round_no, media)
 
-    def _surface(self, trainer, objective, spectrum, prefix: str, round_no: int, files: dict) -> None:
+    def _surface(self, trainer, objective, spectrum, prefix: str, round_no: int, files: dict, progress) -> None:
         if self.surface == "hessian":
             if len(spectrum.top_vectors) < 2:
                 raise FLUserError("analysis.surface hessian needs top_k >= 2 (two eigenvectors)")
@@ -367,7 +374,10 @@ class AnalysisCallback(L.Callback):
             d1 = filter_normalized_direction(objective.params, generator)
             d2 = filter_normalized_direction(objective.params, generator)
             labels = ("random direction 1 (filter-normalised)", "random direction 2 (filter-normalised)")
-        surf = surface_2d(objective, d1, d2, self.surface_radius, self.surface_points, self.surface)
+        points = self.surface_points
+        with (progress.stage(f"loss surface, {self.surface} directions", points**2, "pt") if progress is not None
+              else contextlib.nullcontext(None)) as advance:
+            surf = surface_2d(objective, d1, d2, self.surface_radius, points, self.surface, advance)
         files[f"{prefix}surface"] = {"kind": surf.kind, "alphas": surf.alphas, "betas": surf.betas,
                                      "loss": surf.loss, "acc": surf.acc}
         name = prefix.replace("/", "_")
@@ -416,7 +426,7 @@ class AnalysisCallback(L.Callback):
             return
         # `fl-lightning analyze` writes beside the fit's round folder, never over it
         folder = f"posthoc_round_{round_no:03d}" if self.forced else f"round_{round_no:03d}"
-        out = Path(trainer.default_root_dir) / "analysis" / folder
+        out = self.written = Path(trainer.default_root_dir) / "analysis" / folder
         out.mkdir(parents=True, exist_ok=True)
         numbers = {k: v for k, v in files.items() if not k.endswith(".png")}
         atomic_write_bytes(out / "analysis.json",

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -146,9 +147,12 @@ def layer_groups(objective: SubsetObjective) -> dict[str, list[str]]:
 
 def hessian_spectrum(objective: SubsetObjective, k: int = 5, max_iter: int = 40, tol: float = 1e-4,
                      trace_probes: int = 0, layerwise: bool = False, layer_iter: int = 20,
-                     seed: int = 0) -> Spectrum:
+                     seed: int = 0, progress=None) -> Spectrum:
     """Top-k and minimum eigenvalues (Lanczos), optionally the Hutchinson trace and each layer's
-    lambda_1, all from one seeded generator so the same weights give the same numbers."""
+    lambda_1, all from one seeded generator so the same weights give the same numbers.
+
+    `progress` (a `progress.StageBars`, or None) is told of each stage and each Hessian-vector
+    product: on a large model and subset each product takes seconds and a stage minutes."""
     dim = objective.dim
     if not 1 <= k <= dim:
         raise ValueError(f"k = {k} but the model has {dim} parameters")
@@ -156,20 +160,43 @@ def hessian_spectrum(objective: SubsetObjective, k: int = 5, max_iter: int = 40,
     generator = torch.Generator().manual_seed(seed)
     start = objective.num_hvps
     dtype = next(iter(objective.params.values())).dtype
-    result = lanczos(objective.hvp_flat, dim, k, max_iter, tol, generator, device, dtype)
+    with _stage(progress, f"Hessian top-{k} eigenvalues", min(max(max_iter, k), dim), bound=True) as advance:
+        result = lanczos(_counted(objective.hvp_flat, advance), dim, k, max_iter, tol, generator, device, dtype)
     top = [float(v) for v in result.eigenvalues[:k]]
     trace = stderr = None
     if trace_probes:
-        trace, stderr = hutchinson_trace(objective.hvp_flat, dim, trace_probes, generator, device, dtype)
+        with _stage(progress, "Hessian trace", trace_probes) as advance:
+            trace, stderr = hutchinson_trace(_counted(objective.hvp_flat, advance), dim, trace_probes, generator,
+                                             device, dtype)
     layer_top = {}
     if layerwise:
-        for layer, names in layer_groups(objective).items():
-            block = objective.restricted(names)
-            r = lanczos(block.hvp_flat, block.dim, 1, layer_iter, tol, generator, device, dtype)
-            layer_top[layer] = float(r.eigenvalues[0])
-            objective.num_hvps += block.num_hvps
+        blocks = {layer: objective.restricted(names) for layer, names in layer_groups(objective).items()}
+        budget = sum(min(layer_iter, block.dim) for block in blocks.values())
+        with _stage(progress, f"Hessian lambda_1 of {len(blocks)} layers", budget, bound=True) as advance:
+            for layer, block in blocks.items():
+                r = lanczos(_counted(block.hvp_flat, advance), block.dim, 1, layer_iter, tol, generator, device,
+                            dtype)
+                layer_top[layer] = float(r.eigenvalues[0])
+                objective.num_hvps += block.num_hvps
     vectors = [unflatten(v, objective.params) for v in result.eigenvectors]
     residuals = [float(r) for r in result.residuals[:k]]
     return Spectrum(top, result.minimum, trace, stderr, layer_top, objective.num_hvps - start,
                     result.num_matvecs, residuals, vectors)
 
+
+
+def _stage(progress, name: str, total: int, bound: bool = False):
+    """A stage of `progress` counted in Hessian-vector products (nothing to tell without one)."""
+    return contextlib.nullcontext(None) if progress is None else progress.stage(name, total, "hvp", bound)
+
+
+def _counted(matvec: MatVec, advance) -> MatVec:
+    if advance is None:
+        return matvec
+
+    def counted(v: torch.Tensor) -> torch.Tensor:
+        out = matvec(v)
+        advance(1)
+        return out
+
+    return counted

@@ -11,6 +11,7 @@ Directions:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,13 +57,16 @@ class Surface:
 
 
 def surface_2d(objective: SubsetObjective, d1: Params, d2: Params, radius: float = 1.0, points: int = 11,
-               kind: str = "hessian") -> Surface:
+               kind: str = "hessian", advance: Callable[[int], None] | None = None) -> Surface:
+    """The loss and accuracy on a points x points grid; `advance(1)` after each point (progress)."""
     axis = grid(radius, points)
     loss = [[0.0] * points for _ in range(points)]
     acc = [[0.0] * points for _ in range(points)]
     for i, a in enumerate(axis.tolist()):
         for j, b in enumerate(axis.tolist()):
             loss[i][j], acc[i][j] = objective.loss_and_accuracy(objective.shifted((a, d1), (b, d2)))
+            if advance is not None:
+                advance(1)
     return Surface(axis.tolist(), axis.tolist(), loss, acc, kind)
 
 
