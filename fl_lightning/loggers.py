@@ -98,18 +98,17 @@ class FLWandbLogger(WandbLogger):
         """Sends the round's row at W&B step = its round, so that `_step` is the round in every part
         of a resumed run too (W&B's own counter would start again at 0 in a resumed offline part).
         W&B commits a row once a later step arrives or the run ends, so values of the same round
-        sent after it (the clients table of an interrupted run) still join it."""
+        sent after it still join it. A round below the W&B run's step is one the run holds already:
+        a fit stopped after logging a round and before its checkpoint trains it again on resume, and
+        online W&B resumes at the step after that round (it would refuse the row with a warning)."""
         if self._row:
             row, self._row = self._row, {}
             step = row.get("round")
-            self.experiment.log(row, step=None if step is None else int(step))
-
-    def discard_round_after(self, completed: int) -> None:
-        """Drops the values of a round after round `completed` that were not sent yet: the round
-        that an interruption abandoned, which a resumed run trains again from its start and logs at
-        the same step (online, W&B would refuse that step once the abandoned values held it)."""
-        if self._row.get("round", completed) > completed:
-            self._row = {}
+            run = self.experiment
+            if step is None:
+                run.log(row)
+            elif int(step) >= (getattr(run, "step", 0) or 0):
+                run.log(row, step=int(step))
 
     def finalize(self, status: str) -> None:
         self.flush_round()

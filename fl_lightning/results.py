@@ -227,10 +227,6 @@ class ResultsCallback(L.Callback):
         if record.outcome.final:
             return  # a signal (or any error) after the run's end changes nothing
         self.ended, self.ended_reason = outcome_of_exception(exception)
-        completed = self.rows[-1]["round"] if self.rows else 0
-        for logger in trainer.loggers:  # the abandoned round is trained and logged again on resume
-            if isinstance(logger, FLWandbLogger):
-                logger.discard_round_after(completed)
         self._send_clients_table(trainer)  # the clients the W&B run has not got yet (rank 0 collects them)
         try:
             self.write(trainer, pl_module)

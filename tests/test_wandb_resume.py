@@ -95,3 +95,44 @@ def test_validate_after_a_resume_is_a_wandb_run_of_its_own(resumed):
     run_id, rows = offline_part(posthoc)
     assert run_id != fit_id
     assert [r["round"] for r in rows] == [3]
+
+
+class _ResumedRun:
+    """W&B's run as a resumed online fit sees it: `step` is the step after the last one the server
+    holds, and a log at an explicit step sets it (W&B refuses a lower one with a warning)."""
+
+    def __init__(self, step: int):
+        self.step, self.logged = step, []
+
+    def log(self, row, step=None):
+        assert step is not None and step >= self.step, (step, self.step)
+        self.step = step
+        self.logged.append((step, dict(row)))
+
+
+def test_rows_go_at_their_round_and_a_round_the_run_holds_is_not_sent_again(tmp_path):
+    """A fit stopped after it logged round 2 and before round 2's checkpoint trains round 2 again
+    when resumed; online, W&B resumes that run at step 3 and would drop the row with a warning."""
+    from fl_lightning import compat
+    from fl_lightning.loggers import FLWandbLogger
+
+    logger = FLWandbLogger(offline=True, save_dir=str(tmp_path))
+    run = _ResumedRun(step=3)
+    compat.set_wandb_run(logger, run)
+    for values in ({"round": 2.0, "acc": 0.5}, {"round": 3.0, "acc": 0.6}, {"round": 3.0, "loss": 1.0},
+                   {"round": 4.0, "acc": 0.7}):
+        logger.add_to_round(values)
+    logger.flush_round()
+    assert run.logged == [(3, {"round": 3.0, "acc": 0.6, "loss": 1.0}), (4, {"round": 4.0, "acc": 0.7})]
+
+
+def test_the_fits_wandb_run_is_the_newest_in_its_run_directory(tmp_path):
+    from fl_lightning.wandb_run import fit_wandb_run_id
+
+    assert fit_wandb_run_id(tmp_path) is None
+    wandb_dir = tmp_path / "wandb"
+    for name in ("offline-run-20260102_090000-bbbb2222", "run-20260101_120000-aaaa1111", "data", "cache"):
+        (wandb_dir / name).mkdir(parents=True)
+    (wandb_dir / "debug.log").write_text("")
+    (wandb_dir / "latest-run").symlink_to(wandb_dir / "run-20260101_120000-aaaa1111")
+    assert fit_wandb_run_id(tmp_path) == "bbbb2222"  # by the start time in the name, not the link
