@@ -21,11 +21,11 @@ import sys
 from pathlib import Path
 
 from fl_lightning import compat
-from fl_lightning.loggers import FLWandbLogger, describe_wandb_run
+from fl_lightning.loggers import FLWandbLogger, describe_wandb_run, offline_records
 from fl_lightning.outcome import DISK_ERRNOS
 
 __all__ = ["configure_wandb_logger", "continue_fit_wandb_run", "describe_wandb_run", "finish_wandb",
-           "fit_wandb_run_id", "log_as_checkpoint_round", "post_run_wandb_run", "sync_hint"]
+           "fit_wandb_run_id", "log_as_checkpoint_round", "logged_steps", "post_run_wandb_run", "sync_hint"]
 
 # W&B's folder of one run (one part of it, for a resumed run): `[offline-]run-<YYYYMMDD_HHMMSS>-<id>`
 RUN_FOLDER = re.compile(r"^(?:offline-)?run-(\d{8}_\d{6})-([A-Za-z0-9_-]+)$")
@@ -87,6 +87,21 @@ def continue_fit_wandb_run(loggers, root: str | Path) -> None:
         if run_id:
             init["id"] = run_id
             init["resume"] = init.get("resume") or "allow"
+            logger.first_step = logged_steps(root, run_id)
+
+
+def logged_steps(save_dir: str | Path, run_id: str) -> int:
+    """The number of history steps the parts of W&B run `run_id` in `<save_dir>/wandb` hold (its
+    last step + 1), read from their run files (`run-<id>.wandb`, kept online and offline); a part
+    whose file cannot be read (a process killed before W&B wrote it) counts for nothing."""
+    steps = [0]
+    for run_file in Path(save_dir, "wandb").glob(f"*run-*-{run_id}/run-{run_id}.wandb"):
+        try:
+            steps += [r.history.step.num + 1 for r in offline_records(run_file, require_complete=False)
+                      if r.WhichOneof("record_type") == "history"]
+        except (OSError, ValueError):
+            continue
+    return max(steps)
 
 
 def log_as_checkpoint_round(loggers, rounds: int) -> None:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_outcomes import TINY, env
+from test_outcomes import TINY, callback, env
 
 from fl_lightning.loggers import offline_records
 
@@ -95,6 +95,23 @@ def test_validate_after_a_resume_is_a_wandb_run_of_its_own(resumed):
     run_id, rows = offline_part(posthoc)
     assert run_id != fit_id
     assert [r["round"] for r in rows] == [3]
+
+
+def test_a_round_logged_before_its_checkpoint_is_not_logged_again(tmp_path):
+    """SIGTERM while round 2's checkpoint is written: the first part holds round 2's row, the
+    checkpoint round 1. The resumed part trains round 2 again (the same numbers) and logs from
+    round 3 on, so that the run holds every step once (uploaded, a second step 2 would follow
+    step 2 in the run's history; online, W&B refuses it with a warning)."""
+    root = tmp_path / "run"
+    code, _, err = fit(root, "--trainer.max_epochs", "3",
+                       callback("killswitch.KillSwitch", round=2, where="write", sig="SIGTERM"))
+    assert code == 143, err[-3000:]
+    code, _, err = fit(root, "--trainer.max_epochs", "3", "--ckpt_path", "last")
+    assert code == 0, err[-3000:]
+    (first_id, first), (second_id, second) = (offline_part(p) for p in sorted((root / "wandb").glob("offline-run-*")))
+    assert first_id == second_id
+    assert [r["_step"] for r in first] == [0, 1, 2]
+    assert [r["_step"] for r in second] == [r["round"] for r in second] == [3]
 
 
 class _ResumedRun:
