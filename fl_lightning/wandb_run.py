@@ -47,8 +47,8 @@ def configure_wandb_logger(logger, command: str, root: str) -> None:
 def post_run_wandb_run(init, command: str, root: str) -> None:
     """validate, test and analyze log into a W&B run of their own: job_type the command, in the
     fit's group, named `<fit's name>/<command>`, and kept under `<run dir>/posthoc/` so that the
-    fit's W&B files and its `latest-run` link stay as the fit left them. Never the fit's id: an
-    offline run cannot be resumed from another process, and a reused id would overwrite it."""
+    fit's W&B files and its `latest-run` link stay as the fit left them. Never the fit's id: that
+    would make the command's numbers a part of the fit's run (a resumed fit's parts share an id)."""
     if "save_dir" in init and (init.save_dir is None or Path(init.save_dir) == Path(root)):
         init.save_dir = str(Path(root) / "posthoc")
     for key in ("id", "version"):
