@@ -56,7 +56,13 @@ from fl_lightning.results import ResultsCallback
 from fl_lightning.run_lifecycle import Ending, LostProcessWatchdog, RunLifecycle, one_line_error, set_active_cli
 from fl_lightning.rundir import RunDirectory, is_first_process
 from fl_lightning.trainer import FLTrainer
-from fl_lightning.wandb_run import describe_wandb_run, finish_wandb, log_as_checkpoint_round, sync_hint
+from fl_lightning.wandb_run import (
+    continue_fit_wandb_run,
+    describe_wandb_run,
+    finish_wandb,
+    log_as_checkpoint_round,
+    sync_hint,
+)
 
 # `build_parser` and `one_line_error` check commands the way a run parses them (fl_lightning/sweep/)
 __all__ = ["FLCLI", "TRAINER_DEFAULTS", "build_cli", "build_parser", "main", "one_line_error", "prebuild_parser"]
@@ -78,11 +84,14 @@ class FLCLI(FLCLIParsing):
         # Load and partition the data before the run starts, so a missing file or an impossible
         # partition fails in seconds, before the run directory is claimed or a logger run created.
         self.datamodule.setup("fit")
+        resuming = self.subcommand == "fit" and (bool(self.subcommand_config().get("ckpt_path"))
+                                                 or RunDirectory(self._run_root).requeued_by_slurm())
         if self.subcommand == "fit" and is_first_process():
             self.run_dir = RunDirectory(self._run_root)
-            self.run_dir.prepare_fit(resuming=bool(self.subcommand_config().get("ckpt_path")),
-                                     overwrite=self._overwrite)
+            self.run_dir.prepare_fit(resuming=resuming, overwrite=self._overwrite)
             print(header_line(self), flush=True)
+        if resuming:
+            continue_fit_wandb_run(self.trainer.loggers, self._run_root)
         describe_wandb_run(self.trainer.loggers, self.config.get(self.subcommand, self.config))
 
     def _finished_line(self) -> str | None:

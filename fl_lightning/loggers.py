@@ -38,6 +38,8 @@ class FLWandbLogger(WandbLogger):
         self._row: dict[str, Any] = {}  # the current round's W&B history row, sent when the round ends
         # validate/test/analyze of a checkpoint: the round it holds (Lightning's epoch is 0 there)
         self.checkpoint_round: int | None = None
+        # a resumed fit: the first step its W&B run does not hold yet (the parts before logged the rest)
+        self.first_step = 0
 
     def describe_run(self, config: Mapping[str, Any], group: str | None, tags: list[str]) -> None:
         """The run's W&B config, group and tags; called by the CLI before the run is created (W&B
@@ -95,9 +97,21 @@ class FLWandbLogger(WandbLogger):
         return bool(self._row)
 
     def flush_round(self) -> None:
+        """Sends the round's row at W&B step = its round, so that `_step` is the round in every part
+        of a resumed run too (W&B's own counter would start again at 0 in a resumed offline part).
+        W&B commits a row once a later step arrives or the run ends, so values of the same round
+        sent after it still join it. A round below `first_step` or the W&B run's step is one the run
+        holds already: a fit stopped after logging a round and before its checkpoint trains that
+        round again on resume (the same numbers), and online W&B resumes at the step after it (it
+        would refuse the row with a warning); offline, both parts would hold the step."""
         if self._row:
             row, self._row = self._row, {}
-            self.experiment.log(row)
+            step = row.get("round")
+            run = self.experiment
+            if step is None:
+                run.log(row)
+            elif int(step) >= max(self.first_step, getattr(run, "step", 0) or 0):
+                run.log(row, step=int(step))
 
     def finalize(self, status: str) -> None:
         self.flush_round()

@@ -1,6 +1,7 @@
 """`--analysis.*`: what training does to the model, as W&B panels and as files.
 
-- At fit start: the partition as a clients x classes heatmap and a table of class counts.
+- At fit start: the partition as a clients x classes heatmap and a table of class counts (once per
+  run: a resumed fit does not log it again).
 - Every round (cheap, on by default): distances of the round's local models to the global model
   (mean/std/min/max of ||w_k - w_g||), the mean pairwise distance and cosine between client
   updates, the global model's accuracy per class, each local model's accuracy on the same test
@@ -147,7 +148,11 @@ class AnalysisCallback(L.Callback):
         if self.divergence and federation is not None:
             federation.share_round_uploads = True  # distances between every pair of the round's clients
         if self.partition and trainer.is_global_zero and hasattr(trainer.datamodule, "client_parts"):
-            self.log_partition(trainer)
+            # A resumed fit continues the W&B run that holds the partition (at step 0) already; its
+            # files are written again only if they are missing.
+            resumed = trainer.ckpt_path is not None
+            if not resumed or not (Path(trainer.default_root_dir) / "analysis" / "partition.json").exists():
+                self.log_partition(trainer, to_wandb=not resumed)
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         model = global_model(pl_module) if self.divergence and trainer.is_global_zero else None
@@ -404,7 +409,7 @@ class AnalysisCallback(L.Callback):
         self._log_media(trainer, round_no, media)
 
     # ---- the partition ------------------------------------------------------------------------
-    def log_partition(self, trainer) -> None:
+    def log_partition(self, trainer, to_wandb: bool = True) -> None:
         dm = trainer.datamodule
         counts = partition_counts(dm.train_set.labels, dm.client_parts, dm.spec.num_classes)
         # the same picture in a sweep's runs of one method and partition (its seeds): drawn once (~0.3 s)
@@ -417,8 +422,9 @@ class AnalysisCallback(L.Callback):
         atomic_write_bytes(out / "partition.json", json.dumps({"counts": counts.tolist()}).encode())
         rows = [[c, *counts[c].tolist(), int(counts[c].sum())] for c in range(len(counts))]
         columns = ["client", *[f"class_{k}" for k in range(counts.shape[1])], "total"]
-        self._log_media(trainer, 0, {"analysis/partition": ("image", image),
-                                     "analysis/partition_counts": ("table", (columns, rows))})
+        if to_wandb:
+            self._log_media(trainer, 0, {"analysis/partition": ("image", image),
+                                         "analysis/partition_counts": ("table", (columns, rows))})
 
     # ---- outputs ------------------------------------------------------------------------------
     def write_files(self, trainer, round_no: int, scalars: dict[str, float], files: dict[str, Any]) -> None:
