@@ -137,11 +137,16 @@ class FLCLIParsing(LightningCLI):
         else:
             compat.set_cli_parser_parts(self, built)
         for name, parser in compat.cli_subcommand_parsers(self).items():
+            if name != "fit":
+                # Lightning's table of the metrics' full floats repeats the command's own result line
+                parser.set_defaults(verbose=False)
             for action in compat.parser_actions(parser):
                 if action.dest == "ckpt_path" and name in self.CKPT_PATH_HELP:
                     action.help = self.CKPT_PATH_HELP[name]
                 elif action.dest == "weights_only":
                     action.help = self.WEIGHTS_ONLY_HELP
+                elif action.dest == "verbose":
+                    action.help = "also print Lightning's table of the evaluation's metrics"
 
     def subcommands(self) -> dict[str, set[str]]:
         """fit, validate, test and analyze (FLTrainer.analyze: the --analysis.* analyses of a

@@ -290,6 +290,8 @@ def test_the_readmes_post_run_commands_as_a_user_types_them(tmp_path):
         assert lines[-1].rpartition("; upload to W&B with: wandb sync ")[2].startswith(
             f"{R}/posthoc/wandb/offline-run-"), lines[-1]
         assert "round 1/2" not in done.stdout + done.stderr
+        # the command's line says the result; Lightning's metrics table (full floats) only with --verbose true
+        assert "metric" not in done.stdout and "DataLoader 0" not in done.stdout, done.stdout
         assert fit_files(run_dir) == before, command
         if command == "analyze":  # a line as each stage starts (a bar each on a terminal), then where it wrote
             assert lines[-1].startswith(f"analysis written to {R}/analysis/posthoc_round_002; "), lines[-1]
