@@ -11,7 +11,7 @@ import torch
 from fl_test_utils import fit, fixed_parts_module, toy_data
 
 from fl_lightning.federation import federation_of
-from fl_lightning.methods import FedAvg, FedProx
+from fl_lightning.methods import FedAvg, FedProx, FedSOL
 from fl_lightning.vectorized import sgd_update
 
 # float32 tolerance for two rounds of a few local steps; the measured differences are below 1e-7
@@ -77,7 +77,12 @@ def assert_close_runs(a, b):
                 assert ra[k] == pytest.approx(rb[k], rel=RTOL, abs=ATOL), k
 
 
-@pytest.mark.parametrize(("method_class", "kw"), [(FedAvg, {}), (FedProx, {"mu": 0.5})])
+@pytest.mark.parametrize(("method_class", "kw"), [
+    (FedAvg, {}), (FedProx, {"mu": 0.5}),
+    (FedSOL, {"rho": 0.5}),  # the paper's default: head perturbation, KL proximal loss, layer-adaptive
+    (FedSOL, {"rho": 0.5, "perturb": "all", "adaptive": "none", "proximal": "l2", "cosine_scope": "all"}),
+    (FedSOL, {"rho": 0.5, "perturb": "body", "adaptive": "dim0", "cosine_scope": "all"}),
+], ids=["FedAvg", "FedProx", "FedSOL", "FedSOL-all-l2", "FedSOL-body"])
 def test_vectorized_equals_sequential_over_two_rounds(method_class, kw):
     sequential = run(method_class, "sequential", **kw)
     vectorized = run(method_class, "vectorized", **kw)
