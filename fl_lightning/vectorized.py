@@ -77,12 +77,26 @@ def _declarer(cls: type) -> type | None:
     return None
 
 
+def _changed_hooks(cls: type, declarer: type) -> list[str]:
+    return [h for h in BYPASSED_HOOKS if getattr(cls, h, None) is not getattr(declarer, h, None)]
+
+
+def supported_methods() -> list[str]:
+    """The CLI's methods the vectorised engine can train (with their options' defaults)."""
+    from fl_lightning import methods
+    from fl_lightning.cli_parsing import method_names
+
+    classes = [getattr(methods, name) for name in method_names()]
+    return [c.__name__ for c in classes if (d := _declarer(c)) is not None and not _changed_hooks(c, d)]
+
+
 def _method_refusal(trainer, method) -> str | None:
     cls = type(method)
     declarer = _declarer(cls)
     if declarer is None:
-        return f"does not support {cls.__name__} (its local step is not a loss on the shared model)"
-    changed = [h for h in BYPASSED_HOOKS if getattr(cls, h, None) is not getattr(declarer, h, None)]
+        return (f"does not support {cls.__name__} (it runs the methods whose local step is a loss on the "
+                f"shared model: {', '.join(supported_methods())})")
+    changed = _changed_hooks(cls, declarer)
     if changed:
         return (f"does not support {cls.__name__}: it changes {', '.join(changed)} of {declarer.__name__}, "
                 f"which the vectorised step does not run")
@@ -163,58 +177,101 @@ class ClientResult:
     steps: int = 0
 
 
-def _same_shape_groups(batches: list[list], step: int) -> list[list[int]]:
-    """The clients with a batch at `step`, grouped by the batch's shape (one vmap call each)."""
+IGNORED = -100  # F.cross_entropy's default ignore_index: a padded sample's label
+
+
+def _calls(batches: list[list], step: int, padded: bool) -> list[list[int]]:
+    """The clients stepping together at `step` (those with a batch there: a prefix, as the group
+    is sorted by steps, longest first), one list per vmap call: all of them, padded to one batch
+    shape, or grouped by their batches' shapes."""
+    rows = [i for i, client_batches in enumerate(batches) if step < len(client_batches)]
+    if padded:
+        return [rows]
     groups: dict[tuple, list[int]] = {}
-    for i, client_batches in enumerate(batches):
-        if step < len(client_batches):
-            x, y = client_batches[step]
-            groups.setdefault((tuple(x.shape), tuple(y.shape)), []).append(i)
+    for i in rows:
+        x, y = batches[i][step]
+        groups.setdefault((tuple(x.shape), tuple(y.shape)), []).append(i)
     return list(groups.values())
+
+
+def _stacked_batch(batches: list[list], step: int, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's batches of `rows` stacked; batches shorter than the longest are padded with
+    zero images and ignored labels, which a loss of mean cross-entropy leaves out."""
+    xs, ys = zip(*(batches[i][step] for i in rows), strict=True)
+    size = max(len(y) for y in ys)
+    if all(len(y) == size for y in ys):
+        return torch.stack(xs), torch.stack(ys)
+    x = xs[0].new_zeros((len(rows), size, *xs[0].shape[1:]))
+    y = ys[0].new_full((len(rows), size), IGNORED)
+    for i, (xb, yb) in enumerate(zip(xs, ys, strict=True)):
+        x[i, : len(yb)] = xb
+        y[i, : len(yb)] = yb
+    return x, y
+
+
+class _Stacks:
+    """The group's stacked trainable parameters and momentum buffers, and the SGD step on some
+    of their rows: a leading range of rows is stepped in place through views, other rows through
+    a copy that is written back."""
+
+    def __init__(self, model: nn.Module, count: int, momentum: float):
+        start = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        self.params = {n: p.detach().unsqueeze(0).repeat(count, *([1] * p.dim())) for n, p in start.items()}
+        self.buffers = {n: torch.zeros_like(p) for n, p in self.params.items()} if momentum != 0 else None
+
+    def step(self, rows: list[int], step_fn, x, y, settings: tuple[float, float, float]) -> dict[str, torch.Tensor]:
+        """One local step of the clients `rows` on (x, y); returns the step's logs."""
+        if rows == list(range(len(rows))):
+            params = {n: p[: len(rows)] for n, p in self.params.items()}
+            buffers = None if self.buffers is None else {n: b[: len(rows)] for n, b in self.buffers.items()}
+            grads, logs = step_fn(params, x, y)
+            sgd_update(params, grads, buffers, *settings)
+            return logs
+        index = torch.as_tensor(rows, device=x.device)
+        params = {n: p.index_select(0, index) for n, p in self.params.items()}
+        buffers = None if self.buffers is None else {n: b.index_select(0, index) for n, b in self.buffers.items()}
+        grads, logs = step_fn(params, x, y)
+        sgd_update(params, grads, buffers, *settings)
+        for n, p in params.items():
+            self.params[n].index_copy_(0, index, p)
+            if buffers is not None:
+                self.buffers[n].index_copy_(0, index, buffers[n])
+        return logs
 
 
 def train_together(method, batches: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> list[ClientResult]:
     """Every client's local training from the round-start global weights, as one vectorised step
-    per local step; `batches[i]` are client i's mini-batches in order."""
+    per local step (or a few, where batch shapes differ and the method cannot pad them);
+    `batches[i]` are client i's mini-batches in order."""
     lr, momentum, weight_decay = _optimizer_settings(method)
-    names = [n for n, p in method.model.named_parameters() if p.requires_grad]
-    start = dict(method.model.named_parameters())
-    count = len(batches)
-    params = {n: start[n].detach().unsqueeze(0).repeat(count, *([1] * start[n].dim())) for n in names}
-    buffers = {n: torch.zeros_like(p) for n, p in params.items()} if momentum != 0 else None
+    order = sorted(range(len(batches)), key=lambda i: -len(batches[i]))  # active clients: a prefix
+    batches = [batches[i] for i in order]
+    stacks = _Stacks(method.model, len(batches), momentum)
     records: list[tuple[list[int], dict[str, torch.Tensor]]] = []
-    for step in range(max((len(b) for b in batches), default=0)):
+    for step in range(len(batches[0]) if batches else 0):
         step_fn = _step_function(method, step)
-        for rows in _same_shape_groups(batches, step):
-            x = torch.stack([batches[i][step][0] for i in rows])
-            y = torch.stack([batches[i][step][1] for i in rows])
-            if len(rows) == count:
-                grads, logs = step_fn(params, x, y)
-                sgd_update(params, grads, buffers, lr, momentum, weight_decay)
-            else:
-                index = torch.as_tensor(rows, device=x.device)
-                sub = {n: p.index_select(0, index) for n, p in params.items()}
-                sub_buffers = None if buffers is None else {n: b.index_select(0, index) for n, b in buffers.items()}
-                grads, logs = step_fn(sub, x, y)
-                sgd_update(sub, grads, sub_buffers, lr, momentum, weight_decay)
-                for n in names:
-                    params[n].index_copy_(0, index, sub[n])
-                    if buffers is not None:
-                        buffers[n].index_copy_(0, index, sub_buffers[n])
+        for rows in _calls(batches, step, method.vectorized_padding):
+            x, y = _stacked_batch(batches, step, rows)
+            logs = stacks.step(rows, step_fn, x, y, (lr, momentum, weight_decay))
             records.append((rows, {k: v.detach() for k, v in logs.items()}))
-    return _results(params, batches, records)
+    results = _results(stacks.params, batches, records)
+    return [results[order.index(i)] for i in range(len(order))]
 
 
 def _step_function(method, step: int):
-    """(stacked params, stacked x, stacked y) -> (stacked gradients, stacked per-step logs)."""
+    """(stacked params, stacked x, stacked y) -> (stacked gradients, stacked per-step logs).
+
+    `vmap` of `torch.func.grad`, not one backward through a vmapped loss: under `grad` a client's
+    parameters are tensors that require gradients, as in the sequential engine (methods select
+    their trainable tensors by `requires_grad`), where under a bare `vmap` they would not."""
     objective = _Objective(method.model, lambda model, batch: method.vectorized_loss(model, batch, step))
 
     def client_step(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
         def loss_of(p):
             return functional_call(objective, {f"model.{n}": t for n, t in p.items()}, (x, y))
 
-        grads, (_, aux) = grad_and_value(loss_of, has_aux=True)(params)
-        return grads, method.vectorized_logs(aux, grads)
+        grads, (_, logs) = grad_and_value(loss_of, has_aux=True)(params)
+        return grads, method.vectorized_logs(logs, grads)
 
     return vmap(client_step)
 

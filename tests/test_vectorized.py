@@ -4,12 +4,15 @@ another order), for every method that declares support; what it cannot run is re
 line naming the sequential engine."""
 
 import copy
+from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from fl_test_utils import fit, fixed_parts_module, toy_data
+from fl_test_utils import assert_same_tensors, fit, fixed_parts_module, toy_data
+from lightning.pytorch.callbacks import ModelCheckpoint
 
+from fl_lightning.cli import main
 from fl_lightning.federation import federation_of
 from fl_lightning.methods import FedAvg, FedProx, FedSOL
 from fl_lightning.vectorized import sgd_update
@@ -108,3 +111,46 @@ def test_stacked_sgd_is_torch_sgd():
         sgd_update(stacked, {"w": grads}, buffers, lr=0.1, momentum=0.9, weight_decay=1e-2)
     for i, p in enumerate(own):
         torch.testing.assert_close(stacked["w"][i], p.detach(), atol=1e-6, rtol=0)
+
+
+def test_resumed_vectorized_run_equals_an_uninterrupted_one(tmp_path):
+    """2 rounds, a checkpoint, resumed into a fresh module to 3 rounds: the same weights, to the bit,
+    as 3 rounds straight (the engine keeps nothing between rounds that a checkpoint would miss)."""
+    kw = {"rho": 0.5}
+    straight, _ = run(FedSOL, "vectorized", rounds=3, **kw)
+    run(FedSOL, "vectorized", rounds=2, callbacks=[ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)],
+        **kw)
+    torch.manual_seed(123)  # the resumed module starts elsewhere: everything comes from the checkpoint
+    resumed, rounds = run(FedSOL, "vectorized", rounds=3, ckpt_path=str(tmp_path / "last.ckpt"),
+                          callbacks=[ModelCheckpoint(dirpath=tmp_path / "again", save_last=True, save_top_k=0)], **kw)
+    assert [m["round"] for m in rounds.metrics] == [3.0]
+    assert_same_tensors(resumed.model.state_dict(), straight.model.state_dict())
+
+
+REPO = Path(__file__).resolve().parents[1]
+BASE = ["--config", str(REPO / "configs/settings/mnist5k.yaml"), "--data.dataset", "digits",
+        "--model.init_args.model", "mlp", "--trainer.max_epochs", "1", "--trainer.logger", "false",
+        "--data.num_clients", "4", "--federation.engine", "vectorized"]
+
+REFUSED = [
+    (["--model", "SCAFFOLD"], ["does not support SCAFFOLD"]),
+    (["--model", "FedSOLMOON"], ["does not support FedSOLMOON", "it changes"]),
+    (["--model", "FedSOL", "--model.init_args.strategy", "A4"], ["FedSOL with strategy A4"]),
+    (["--model", "FedAvg", "--model.init_args.model", "mlp_bn"], ["model 'mlp_bn'", "BatchNorm"]),
+    (["--model", "FedAvg", "--model.init_args.constraint", "joint"], ["FedCONST"]),
+    (["--model", "FedAvg", "--trainer.gradient_clip_val", "1.0"], ["gradient_clip_val"]),
+    (["--model", "FedProx", "--trainer.precision", "bf16-mixed"], ["32-true or 64-true", "bf16-mixed"]),
+]
+
+
+@pytest.mark.parametrize("extra, needles", REFUSED, ids=[" ".join(e) for e, _ in REFUSED])
+def test_what_cannot_run_vectorised_is_refused_in_one_line(extra, needles, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["fit", *BASE, *extra, "--trainer.default_root_dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert stop.value.code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: --federation.engine vectorized "), err
+    assert lines[0].endswith("use --federation.engine sequential"), lines[0]
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])

@@ -71,6 +71,7 @@ constraint) is local_step.py's; per-step values wait in local_logs.py for the ro
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -225,6 +226,10 @@ class FederatedMethod(L.LightningModule):
     # can take: a loss on the shared model, no per-client state. Subclasses inherit it only as long
     # as they keep the hooks the engine bypasses (vectorized.BYPASSED_HOOKS).
     vectorized: bool = False
+    # True when the vectorised loss of a batch padded with ignored samples (zero images, label
+    # -100: F.cross_entropy's ignore_index) is the loss of the batch: a mean cross-entropy plus
+    # terms free of the batch. Clients whose batches differ in size then still step in one call.
+    vectorized_padding: bool = False
 
     def vectorized_loss(self, model: nn.Module, batch, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss whose gradient is local step number `step` (0-based) of one client, with the
@@ -289,7 +294,12 @@ class FederatedMethod(L.LightningModule):
         self.round_idx = round_idx
 
     def round_end(self) -> None:
-        self.lr_schedulers().step()
+        with warnings.catch_warnings():
+            if self.steps.engine is not None:
+                # the vectorised engine steps the clients' stacked copies, never the optimizer, so
+                # torch would warn that the schedule steps first (the schedule is right as it is)
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            self.lr_schedulers().step()
 
     def apply_server_update(self, update: ServerUpdate) -> None:
         """Called by the round callback with `server_step`'s result once it is known finite."""

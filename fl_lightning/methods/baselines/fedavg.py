@@ -9,3 +9,4 @@ from fl_lightning.methods.shared_model import SharedModelMethod
 
 class FedAvg(SharedModelMethod):
     vectorized = True  # its local step is a loss on the shared model (--federation.engine vectorized)
+    vectorized_padding = True  # mean cross-entropy

@@ -23,6 +23,7 @@ class FedProx(SharedModelMethod):
     """
 
     vectorized = True  # its local step is its loss (--federation.engine vectorized)
+    vectorized_padding = True  # mean cross-entropy plus a term free of the batch
 
     def __init__(self, mu: float = 1.0, **kwargs):
         super().__init__(**kwargs)
