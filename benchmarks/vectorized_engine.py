@@ -2,14 +2,16 @@
 
 Two settings on MNIST-5k, 10 clients a round, batch 50, SGD 0.01/0.9/1e-5, local-model evaluation
 off, with the `mlp` and the FedAvg CNN, FedAvg (and optionally FedSOL):
-- "equal": 10 IID clients of 500 digits, all sampled, 4 local epochs: 40 steps each;
+- "equal": 10 IID clients of 400 training digits, all sampled, 4 local epochs: 32 steps each;
 - "demo": configs/settings/mnist5k.yaml (50 clients, Dirichlet 0.1, 20% a round, 5 local
   epochs), where clients hold from a few to a few hundred digits: fewer clients step together in
-  a round's later steps. A round is timed from its start to the start of
-its validation (the clients' training, uploads and the server step; the global model's evaluation
-is the same for both engines and left out). The two engines run alternately, `--repeats` times
-each, and every run's first round is dropped as warm-up; the script prints the median round of
-each engine and their ratio, and how far apart the two engines' final weights are.
+  a round's later steps.
+
+A round is timed from its start to the start of its validation (the clients' training, uploads and
+the server step; the global model's evaluation is the same for both engines and left out), in CPU
+time. The two engines run alternately, `--repeats` times each, and every run's first round is
+dropped as warm-up; the script prints the median round of each engine and their ratio, and how far
+apart the two engines' final weights are.
 
     taskset -c 1 python benchmarks/vectorized_engine.py [--rounds 4] [--repeats 3]
         [--models mlp fedavg_cnn] [--settings equal demo] [--methods fedavg fedsol]
@@ -39,17 +41,18 @@ METHODS = {"fedavg": (FedAvg, {}), "fedsol": (FedSOL, {"rho": 2.0})}
 
 
 class RoundTimer(L.Callback):
-    """From a round's start to the start of its validation."""
+    """From a round's start to the start of its validation, in CPU time of the process (one
+    thread: on a shared machine wall time mostly measures the neighbours)."""
 
     def __init__(self):
         self.times, self._start = [], 0.0
 
     def on_train_epoch_start(self, trainer, pl_module):
-        self._start = time.perf_counter()
+        self._start = time.process_time()
 
     def on_validation_start(self, trainer, pl_module):
         if not trainer.sanity_checking:
-            self.times.append(time.perf_counter() - self._start)
+            self.times.append(time.process_time() - self._start)
 
 
 def run(engine: str, setting: str, model: str, method: str, rounds: int) -> tuple[list[float], dict[str, torch.Tensor]]:

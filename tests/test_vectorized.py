@@ -50,14 +50,14 @@ class Rounds(L.Callback):
         self.end = {k: v.clone() for k, v in pl_module.model.state_dict().items()}
 
 
-def run(method_class, engine, rounds=2, callbacks=(), ckpt_path=None, **kw):
+def run(method_class, engine, rounds=2, callbacks=(), ckpt_path=None, group=0, **kw):
     x, y = toy_data(n=31, size=4, num_classes=3)
     dm = fixed_parts_module(x, y, PARTS, batch_size=4, local_epochs=2)
     torch.manual_seed(0)
     method = method_class(model="mlp", lr=0.05, momentum=0.9, weight_decay=1e-3, data_spec=dm.spec, **kw)
     recorder = Rounds()
     fit(method, dm, rounds=rounds, eval_local_models=True, callbacks=[recorder, *callbacks], ckpt_path=ckpt_path,
-        federation_kw={"engine": engine})
+        federation_kw={"engine": engine, "engine_group": group})
     return method, recorder
 
 
@@ -92,6 +92,11 @@ def test_vectorized_equals_sequential_over_two_rounds(method_class, kw):
     assert sequential[1].trained_away_from_start
     assert "train/loss" in sequential[1].metrics[-1] and "train_loss" in sequential[1].clients[-1][0]
     assert_close_runs(sequential, vectorized)
+
+
+def test_clients_trained_in_groups_equal_sequential():
+    """`engine_group 3`: the round's 4 clients train as a group of 3, then a group of 1."""
+    assert_close_runs(run(FedProx, "sequential", mu=0.5), run(FedProx, "vectorized", group=3, mu=0.5))
 
 
 def test_stacked_sgd_is_torch_sgd():
