@@ -273,7 +273,20 @@ def _step_function(method, step: int):
         grads, (_, logs) = grad_and_value(loss_of, has_aux=True)(params)
         return grads, method.vectorized_logs(logs, grads)
 
-    return vmap(client_step)
+    together = vmap(client_step)
+
+    def one_client(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
+        # one client left (the others have run out of batches): plain autograd on its row, without
+        # the cost of vmap's and grad's wrapping of every operation
+        leaves = {n: p[0].detach().requires_grad_(True) for n, p in params.items()}
+        loss, logs = functional_call(objective, {f"model.{n}": t for n, t in leaves.items()}, (x[0], y[0]))
+        found = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
+        grads = {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(leaves.items(), found, strict=True)}
+        logs = method.vectorized_logs(logs, grads)
+        return ({n: g.unsqueeze(0) for n, g in grads.items()},
+                {k: v.detach().unsqueeze(0) for k, v in logs.items()})
+
+    return lambda params, x, y: one_client(params, x, y) if len(x) == 1 else together(params, x, y)
 
 
 def _results(params: dict[str, torch.Tensor], batches: list[list], records: list) -> list[ClientResult]:

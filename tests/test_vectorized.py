@@ -17,12 +17,16 @@ from fl_lightning.federation import federation_of
 from fl_lightning.methods import FedAvg, FedProx, FedSOL
 from fl_lightning.vectorized import sgd_update
 
-# float32 tolerance for two rounds of a few local steps; the measured differences are below 1e-7
+# float32 tolerances for two rounds of a few local steps: weights 1e-6 (the measured differences
+# are below 1e-7); logged values 5e-6 (measured below 1e-6: FedSOL's cosines of small gradients
+# are the most sensitive)
 ATOL, RTOL = 1e-6, 1e-6
+METRIC_TOL = 5e-6
 
-# client sizes 7, 12, 3, 9 with batch 4 and 2 local epochs: 4, 6, 2 and 6 steps, and at the
-# epochs' last steps batches of 3, 4 (full), 3 and 1 samples, so a step mixes batch shapes
-PARTS = [range(0, 7), range(7, 19), range(19, 22), range(22, 31)]
+# client sizes 7, 14, 3, 9 with batch 4 and 2 local epochs: 4, 8, 2 and 6 steps (the last two
+# steps one client's alone), and at the epochs' last steps batches of 3, 2, 3 and 1 samples, so a
+# step mixes batch shapes
+PARTS = [range(0, 7), range(7, 21), range(21, 24), range(24, 33)]
 
 
 class Rounds(L.Callback):
@@ -51,7 +55,7 @@ class Rounds(L.Callback):
 
 
 def run(method_class, engine, rounds=2, callbacks=(), ckpt_path=None, group=0, **kw):
-    x, y = toy_data(n=31, size=4, num_classes=3)
+    x, y = toy_data(n=33, size=4, num_classes=3)
     dm = fixed_parts_module(x, y, PARTS, batch_size=4, local_epochs=2)
     torch.manual_seed(0)
     method = method_class(model="mlp", lr=0.05, momentum=0.9, weight_decay=1e-3, data_spec=dm.spec, **kw)
@@ -72,12 +76,12 @@ def assert_close_runs(a, b):
     for ma, mb in zip(rounds_a.metrics, rounds_b.metrics, strict=True):
         assert ma.keys() == mb.keys()
         for k in ma:
-            assert ma[k] == pytest.approx(mb[k], rel=RTOL, abs=ATOL), k
+            assert ma[k] == pytest.approx(mb[k], rel=METRIC_TOL, abs=METRIC_TOL), k
     for ca, cb in zip(rounds_a.clients, rounds_b.clients, strict=True):
         assert [r.keys() for r in ca] == [r.keys() for r in cb]
         for ra, rb in zip(ca, cb, strict=True):
             for k in ra:
-                assert ra[k] == pytest.approx(rb[k], rel=RTOL, abs=ATOL), k
+                assert ra[k] == pytest.approx(rb[k], rel=METRIC_TOL, abs=METRIC_TOL), k
 
 
 @pytest.mark.parametrize(("method_class", "kw"), [
