@@ -30,7 +30,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from fl_lightning import compat
+from fl_lightning import compat, vectorized
 from fl_lightning.data.datamodule import clients_per_round
 from fl_lightning.errors import FLUserError
 from fl_lightning.evaluation import BestAccuracy
@@ -120,13 +120,24 @@ class FederatedCallback(L.Callback):
             so a wait is at most the slowest process's share of a round, plus rank 0's analyses
             (`--analysis.every_n_rounds`) and the round checkpoint; raise it for analyses of large
             models. (On one machine a process that dies is noticed at once, see cli.py.)
+        engine: how a round's clients train: "sequential" (one after the other, every method) or
+            "vectorized" (together, as one step over stacked parameters, for the methods that
+            declare it: vectorized.py, which says what it refuses).
+        engine_group: with the vectorized engine, the clients trained together at most (0: all
+            of a round's clients on this process); lower it when they do not fit in memory.
     """
 
     def __init__(self, eval_local_models: bool = True, local_eval_samples: int = 1000,
                  on_divergence: Literal["stop", "skip_client"] = "stop", collapse_rounds: int = 5,
                  on_collapse: Literal["mark", "stop"] = "mark", client_cache_size: int = 0,
-                 parallel: Literal["clients", "batch"] = "clients", collective_timeout: float = 1800.0):
+                 parallel: Literal["clients", "batch"] = "clients", collective_timeout: float = 1800.0,
+                 engine: Literal["sequential", "vectorized"] = "sequential", engine_group: int = 0):
         super().__init__()
+        if engine not in vectorized.ENGINES:
+            raise FLUserError(f"federation.engine must be one of {', '.join(vectorized.ENGINES)}, got '{engine}'")
+        if engine_group < 0:
+            raise FLUserError(f"federation.engine_group must be >= 0 (0 = all of a round's clients), "
+                              f"got {engine_group}")
         if client_cache_size < 0:
             raise FLUserError(f"--federation.client_cache_size must be >= 0 (0 = all in memory), got "
                               f"{client_cache_size}")
@@ -141,6 +152,7 @@ class FederatedCallback(L.Callback):
         self.policy = Policy(on_divergence, on_collapse, collapse_rounds)  # what the round's facts decide
         self.client_cache_size, self.parallel = client_cache_size, parallel
         self.collective_timeout = collective_timeout
+        self.engine, self.engine_group = engine, engine_group
         self.record = OutcomeRecord()
         self.best = BestAccuracy()  # the run's accuracy (the method's accuracy_key)
         self._rounds_at_chance = 0
@@ -176,6 +188,17 @@ class FederatedCallback(L.Callback):
         elif self.client_cache_size:
             directory = Path(trainer.default_root_dir) / "client_states"
         pl_module.configure_client_stores(directory, self.client_cache_size, rank=trainer.global_rank)
+        self._set_engine(trainer, pl_module, stage)
+
+    def _set_engine(self, trainer: L.Trainer, pl_module, stage: str) -> None:
+        """The vectorised engine, for a fit that asks for it and can run it (else one line)."""
+        engine = None
+        if self.engine == "vectorized" and stage == "fit":
+            reason = vectorized.refusal(trainer, pl_module)
+            if reason is not None:
+                raise FLUserError(reason)
+            engine = vectorized.VectorizedEngine(self.engine_group)
+        pl_module.steps.engine = engine
 
     def on_fit_start(self, trainer: L.Trainer, pl_module) -> None:
         if trainer.reload_dataloaders_every_n_epochs != 1:

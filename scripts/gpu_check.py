@@ -6,10 +6,11 @@ deterministic algorithms where torch has them). Prints a pass/fail table with th
 step (the rounds' wall time over the local steps, rank 0's on 2 GPUs) and the seconds per run
 (start-up included). On a GPU it then times the FedAvg CNN demo's local step in both memory layouts
 (`--model.memory_format channels_last` and `contiguous`, in 32-true and bf16-mixed): whether
-channels-last, the "auto" choice on CUDA, is the faster there. On a machine without a GPU it runs
-the CPU part, says so, and exits 0.
+channels-last, the "auto" choice on CUDA, is the faster there; and (on the CPU too with --engines)
+the local step's time with the sequential and the vectorised engine (`--federation.engine`),
+FedAvg and FedSOL. On a machine without a GPU it runs the CPU part, says so, and exits 0.
 
-    bash scripts/gpu_check.sh [--families FedAvg SCAFFOLD ...] [--root /tmp/gpu_check]
+    bash scripts/gpu_check.sh [--families FedAvg SCAFFOLD ...] [--root /tmp/gpu_check] [--engines]
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ FAMILIES = {  # one method per kind of local step
 }
 
 
-def command(family: str, root: Path, accelerator: str, precision: str, devices: int) -> list[str]:
+def command(family: str, root: Path, accelerator: str, precision: str, devices: int,
+            extra: tuple[str, ...] = ()) -> list[str]:
     args = [sys.executable, "-m", "fl_lightning.cli", "fit", *TINY]
     args[6:6] = [a for f in FAMILIES[family] for a in ("--config", str(f))]  # after the setting
     args += HETERO if family in ("FedORGP", "FedGen") else ["--model.init_args.model", "mlp"]
@@ -56,7 +58,7 @@ def command(family: str, root: Path, accelerator: str, precision: str, devices: 
         args += ["--trainer.strategy", "ddp", "--federation.parallel", "clients"]
     if accelerator == "gpu" and precision == "32-true":  # compared across 1 and 2 GPUs
         args += ["--trainer.deterministic", "warn"]
-    return args
+    return args + list(extra)
 
 
 def ms_per_step(root: Path) -> float:
@@ -71,12 +73,12 @@ def ms_per_step(root: Path) -> float:
 
 
 def run(family: str, root: Path, accelerator: str, precision: str,
-        devices: int = 1) -> tuple[str, float, float, float]:
+        devices: int = 1, extra: tuple[str, ...] = ()) -> tuple[str, float, float, float]:
     """(pass/FAIL: reason, final accuracy, ms per local step, seconds)."""
     start = time.perf_counter()
     env = {**os.environ, "WANDB_MODE": "offline", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # deterministic cuBLAS
-    done = subprocess.run(command(family, root, accelerator, precision, devices), cwd=REPO, capture_output=True,
-                          text=True, env=env)
+    done = subprocess.run(command(family, root, accelerator, precision, devices, extra), cwd=REPO,
+                          capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         lines = [line for line in done.stderr.splitlines() if line.strip()]
@@ -129,6 +131,31 @@ def print_layouts(rows: list[tuple[str, str, float]]) -> None:
               f"(below 1: channels-last, the 'auto' choice on CUDA, is the faster here)")
 
 
+ENGINE_FAMILIES = ("FedAvg", "FedSOL")  # the vectorised engine's methods, one of each kind of step
+
+
+def engine_timing(root: Path, accelerator: str) -> int:
+    """The local step's time with each engine (`--federation.engine sequential` / `vectorized`),
+    every client of a round sampled (8 train together), 32-true on one device: one row per method,
+    the sequential/vectorized ratio, and whether the two engines' accuracies agree. Returns the
+    number of failed rows."""
+    failed = 0
+    for family in ENGINE_FAMILIES:
+        rows = {}
+        for engine in ("sequential", "vectorized"):
+            where = root / "engines" / family / f"{accelerator}_{engine}"
+            rows[engine] = run(family, where, accelerator, "32-true",
+                               extra=("--data.sample_ratio", "1.0", "--federation.engine", engine))
+        (seq, seq_acc, seq_ms, _), (vec, vec_acc, vec_ms, _) = rows["sequential"], rows["vectorized"]
+        result = seq if seq != "pass" else vec
+        if result == "pass" and abs(seq_acc - vec_acc) > 1e-3:
+            result = f"FAIL: vectorized accuracy {vec_acc:.4f} against sequential {seq_acc:.4f}"
+        failed += result != "pass"
+        print(f"engines {family:8s} {accelerator:4s} sequential {seq_ms:7.2f} ms/step  vectorized {vec_ms:7.2f} "
+              f"ms/step  sequential/vectorized {seq_ms / vec_ms:5.2f}x  {result}", flush=True)
+    return failed
+
+
 def gpus() -> int:
     import torch
 
@@ -139,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES))
     parser.add_argument("--root", default=None, help="where the runs go (default: a temporary directory)")
+    parser.add_argument("--engines", action="store_true",
+                        help="also time the sequential and vectorised engines on the CPU (always done on a GPU)")
     opts = parser.parse_args(argv)
     root = Path(opts.root or tempfile.mkdtemp(prefix="gpu_check_"))
     count = gpus()
@@ -165,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{seconds:6.1f}", flush=True)
     if count:
         print_layouts(layout_times(root))
+    if count or opts.engines:
+        failed += engine_timing(root, "gpu" if count else "cpu")
     if not count:
         print("no GPU on this machine (torch.cuda.is_available() is False): ran the CPU part only")
     elif count < 2:

@@ -71,6 +71,7 @@ constraint) is local_step.py's; per-step values wait in local_logs.py for the ro
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,6 +232,34 @@ class FederatedMethod(L.LightningModule):
         """What `loss` may use in the current client's local training (see LossContext)."""
         return NO_CONTEXT
 
+    # ---- the vectorised engine (vectorized.py) ---------------------------------------------------
+    # True in a method whose local step the vectorised engine (`--federation.engine vectorized`)
+    # can take: a loss on the shared model, no per-client state. Subclasses inherit it only as long
+    # as they keep the hooks the engine bypasses (vectorized.BYPASSED_HOOKS).
+    vectorized: bool = False
+    # True when the vectorised loss of a batch padded with ignored samples (zero images, label
+    # -100: F.cross_entropy's ignore_index) is the loss of the batch: a mean cross-entropy plus
+    # terms free of the batch. Clients whose batches differ in size then still step in one call.
+    vectorized_padding: bool = False
+
+    def vectorized_loss(self, model: nn.Module, batch, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The loss whose gradient is local step number `step` (0-based) of one client, with the
+        step's logged values (`log_local`'s), computed on `model` whose parameters the vectorised
+        engine has set to that client's (torch.func: no in-place change of a parameter, no
+        `torch.autograd.grad`; an inner gradient is `torch.func.grad`). By default the method's
+        `loss`, which is what `minibatch_step` steps on."""
+        loss = self.loss(model, batch, self.loss_context())
+        return loss, {"train/loss": loss}
+
+    def vectorized_logs(self, logs: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The step's logged values from `vectorized_loss`'s and the step's gradients (by
+        parameter name, before weight decay and momentum): for values that need the gradient."""
+        return logs
+
+    def vectorized_refusal(self) -> str | None:
+        """Why this instance's options cannot run vectorised (e.g. "strategy A4"), or None."""
+        return None
+
     # ---- tier 2: the local step ------------------------------------------------------------------
     def minibatch_step(self, batch) -> torch.Tensor | None:
         """One local step on one mini-batch (x, y); methods with their own step override this."""
@@ -276,7 +305,12 @@ class FederatedMethod(L.LightningModule):
         self.round_idx = round_idx
 
     def round_end(self) -> None:
-        self.lr_schedulers().step()
+        with warnings.catch_warnings():
+            if self.steps.engine is not None:
+                # the vectorised engine steps the clients' stacked copies, never the optimizer, so
+                # torch would warn that the schedule steps first (the schedule is right as it is)
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            self.lr_schedulers().step()
 
     def apply_server_update(self, update: ServerUpdate) -> None:
         """Called by the round callback with `server_step`'s result once it is known finite."""
@@ -439,6 +473,9 @@ class FederatedMethod(L.LightningModule):
         local mini-batch (sliced on the device by the data module). The federated callback has
         started the client before this and ends it after."""
         trainer = self.trainer
+        if self.steps.engine is not None:  # the vectorised engine trains the round's clients together
+            self.steps.engine.train_client(self, work)
+            return
         convert = trainer.precision_plugin.convert_input  # e.g. float64 inputs for 64-true
         for batch in trainer.datamodule.minibatches(work):
             self.minibatch_step(convert(batch))

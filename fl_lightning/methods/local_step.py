@@ -71,9 +71,11 @@ class LocalSteps:
         optimizer: the torch optimizer of the local steps (None before training starts).
         clip: (`--trainer.gradient_clip_val`, `--trainer.gradient_clip_algorithm`); 0: no clipping.
         constraint: the round's FedCONST constraint set, None without one.
+        engine: the vectorised engine (vectorized.py) that trains the clients instead of
+            `training_step`'s loop, None for the sequential engine.
     """
 
-    __slots__ = ("taken", "direct", "uncounted", "base_hook_ran", "optimizer", "clip", "constraint")
+    __slots__ = ("taken", "direct", "uncounted", "base_hook_ran", "optimizer", "clip", "constraint", "engine")
 
     def __init__(self):
         self.taken = self.uncounted = 0
@@ -81,6 +83,7 @@ class LocalSteps:
         self.optimizer: torch.optim.Optimizer | None = None
         self.clip: tuple[float, str] = (0.0, "norm")
         self.constraint: ChannelConstraint | None = None
+        self.engine = None
 
     def start_training(self, module: L.LightningModule, base: type) -> None:
         """Fixes how the steps of this fit are taken (`base`: see `lightning_wrappers_idle`)."""

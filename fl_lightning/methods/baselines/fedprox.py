@@ -22,6 +22,9 @@ class FedProx(SharedModelMethod):
         mu: weight of the proximal term (FedSOL paper 1.0; FedCONST paper 0.01).
     """
 
+    vectorized = True  # its local step is its loss (--federation.engine vectorized)
+    vectorized_padding = True  # mean cross-entropy plus a term free of the batch
+
     def __init__(self, mu: float = 1.0, **kwargs):
         super().__init__(**kwargs)
         if mu < 0:

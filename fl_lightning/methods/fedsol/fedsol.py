@@ -44,7 +44,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call
+from torch.func import functional_call, grad_and_value
 
 from fl_lightning import compat, loss_scaling
 from fl_lightning.errors import FLUserError
@@ -298,8 +298,65 @@ class FedSOL(ProximalMethod):
             raise FLUserError(f"strategy must be one of {', '.join(STRATEGIES)}, got '{strategy}'")
         self.save_hyperparameters()
 
+    vectorized = True  # strategies A0 and A1 (`vectorized_loss`)
+
     def perturbed_names(self) -> list[str]:
         return self.scoped_names(self.hparams.perturb)
+
+    # ---- the vectorised engine (vectorized.py) ------------------------------------------------
+    def vectorized_refusal(self) -> str | None:
+        if self.hparams.strategy not in ("A0", "A1"):
+            return f"strategy {self.hparams.strategy} (A0 and A1 run vectorised)"
+        return None
+
+    def vectorized_loss(self, model, batch, step: int):
+        """`minibatch_step`'s A1 (and A0) in torch.func's terms: the same forward passes, proximal
+        loss and `sol_perturbation`, with g_p taken by `torch.func.grad` and detached (eps is a
+        constant, as `torch.autograd.grad` makes it); the CE at w + eps is what the engine
+        differentiates. g_p rides along in the logs for the logged cosine (`vectorized_logs`)."""
+        x, y = batch
+        h = self.hparams
+        self._step_cache = {}
+        if h.strategy == "A0" or (step == 0 and self.proximal_vanishes_at_global):  # `minibatch_step`'s plain step
+            loss = F.cross_entropy(model(x), y)
+            return loss, {"train/loss": loss}
+        named = self.trainable()
+        names = self.perturbed_names()
+        # g_p on the unperturbed tensors too when the logged cosine is over all of them
+        grad_names = names + ([n for n in named if n not in names] if h.cosine_scope == "all" else [])
+        features, logits = self.forward_at(x)
+        reuse = all(n.startswith("head.") for n in grad_names)  # g_p needs no pass through the body
+
+        def prox_at(part: dict[str, torch.Tensor]) -> torch.Tensor:
+            params = {**named, **part}
+            f, z = self.forward_at(x, params, features.detach() if reuse else None)
+            return self.proximal_loss(x, f, z, params)
+
+        direction, prox = grad_and_value(prox_at)({n: named[n].detach() for n in grad_names})
+        direction = {n: g.detach() for n, g in direction.items()}
+        global_params = self.global_params()
+        eps = sol_perturbation([named[n].detach() for n in names], [direction[n] for n in names],
+                               [global_params[n] for n in names], h.rho, h.adaptive, h.min_grad_norm)
+        perturbed = dict(named)
+        perturbed.update({n: named[n] + e for n, e in zip(names, eps, strict=True)})
+        head_only = all(n.startswith("head.") for n in names)
+        _, logits_p = self.forward_at(x, perturbed, features if head_only else None)
+        loss = F.cross_entropy(logits_p, y)
+        self._step_cache = {}  # nothing of a vectorised step outlives it
+        return loss, {"train/loss": loss, "fedsol/prox_loss": prox.detach(), "g_p": direction}
+
+    def vectorized_logs(self, logs, grads):
+        """`_log`'s cosines, from the engine's gradients (g_u) and the step's g_p."""
+        direction = logs.pop("g_p", None)
+        if direction is None:
+            return logs
+        names = list(direction)
+        update, prox_grads = [grads[n] for n in names], [direction[n] for n in names]
+        logs["fedsol/cos_update_prox"] = _cosine(update, prox_grads)
+        perturbed = len(self.perturbed_names())
+        if perturbed < len(names):
+            logs["fedsol/cos_update_prox_perturbed"] = _cosine(update[:perturbed], prox_grads[:perturbed])
+        return logs
 
     def minibatch_step(self, batch):
         x, y = batch
