@@ -54,11 +54,11 @@ class Rounds(L.Callback):
         self.end = {k: v.clone() for k, v in pl_module.model.state_dict().items()}
 
 
-def run(method_class, engine, rounds=2, callbacks=(), ckpt_path=None, group=0, **kw):
+def run(method_class, engine, rounds=2, callbacks=(), ckpt_path=None, group=0, model="mlp", **kw):
     x, y = toy_data(n=33, size=4, num_classes=3)
     dm = fixed_parts_module(x, y, PARTS, batch_size=4, local_epochs=2)
     torch.manual_seed(0)
-    method = method_class(model="mlp", lr=0.05, momentum=0.9, weight_decay=1e-3, data_spec=dm.spec, **kw)
+    method = method_class(model=model, lr=0.05, momentum=0.9, weight_decay=1e-3, data_spec=dm.spec, **kw)
     recorder = Rounds()
     fit(method, dm, rounds=rounds, eval_local_models=True, callbacks=[recorder, *callbacks], ckpt_path=ckpt_path,
         federation_kw={"engine": engine, "engine_group": group})
@@ -96,6 +96,16 @@ def test_vectorized_equals_sequential_over_two_rounds(method_class, kw):
     assert sequential[1].trained_away_from_start
     assert "train/loss" in sequential[1].metrics[-1] and "train_loss" in sequential[1].clients[-1][0]
     assert_close_runs(sequential, vectorized)
+
+
+def test_the_fedavg_papers_2nn_trains_alike_on_both_engines():
+    """`mlp_2nn` is McMahan et al.'s MNIST 2NN, 784-200-200-10 with ReLU: 199,210 parameters."""
+    from fl_lightning.data.datasets import DataSpec
+    from fl_lightning.models import build_model
+
+    model = build_model("mlp_2nn", DataSpec(num_classes=10, in_channels=1, image_size=28))
+    assert sum(p.numel() for p in model.parameters()) == 784 * 200 + 200 + 200 * 200 + 200 + 200 * 10 + 10 == 199_210
+    assert_close_runs(run(FedAvg, "sequential", model="mlp_2nn"), run(FedAvg, "vectorized", model="mlp_2nn"))
 
 
 def test_clients_trained_in_groups_equal_sequential():

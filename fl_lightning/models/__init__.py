@@ -14,7 +14,7 @@ from fl_lightning.errors import FLUserError, unknown_name
 from fl_lightning.models.base import FLModel
 from fl_lightning.models.cnn import FedAvgCNN
 from fl_lightning.models.lenet import LeNet5
-from fl_lightning.models.mlp import MLP
+from fl_lightning.models.mlp import MLP, TwoNN
 from fl_lightning.models.mobilenet import CifarMobileNet
 from fl_lightning.models.resnet import CifarResNet
 from fl_lightning.models.vgg import VGG11
@@ -30,6 +30,8 @@ MODELS: dict[str, Callable[..., FLModel]] = {
     "mobilenet": lambda spec, **kw: CifarMobileNet(spec.in_channels, spec.num_classes, **kw),
     "mlp": lambda spec, **kw: MLP(spec.in_channels * spec.image_size**2, spec.num_classes, **kw),
     "mlp_bn": lambda spec, **kw: MLP(spec.in_channels * spec.image_size**2, spec.num_classes, batch_norm=True, **kw),
+    # The FedAvg paper's MNIST "2NN": 784-200-200-10 with ReLU.
+    "mlp_2nn": lambda spec, **kw: TwoNN(spec.in_channels * spec.image_size**2, spec.num_classes, **kw),
     # FedCONST's models: no batch norm, no biases (every weight is a constrained channel matrix).
     "lenet5": lambda spec, **kw: LeNet5(spec.in_channels, spec.num_classes, spec.image_size, **kw),
     "lenet5_nobias": lambda spec, **kw: LeNet5(spec.in_channels, spec.num_classes, spec.image_size,
@@ -49,7 +51,7 @@ MODELS: dict[str, Callable[..., FLModel]] = {
 MEMORY_FORMATS = ("auto", "channels_last", "contiguous")
 CHANNELS_LAST_ON_CPU = {"fedavg_cnn", "cnn4", "lenet5", "lenet5_nobias", "mobilenet", "resnet18",
                         "resnet18_nobn_nobias"}
-FULLY_CONNECTED = {"mlp", "mlp_bn"}  # no convolution: the layout changes nothing
+FULLY_CONNECTED = {"mlp", "mlp_bn", "mlp_2nn"}  # no convolution: the layout changes nothing
 
 
 def memory_format_for(option: str, architectures: Iterable[str], device: torch.device) -> torch.memory_format:
