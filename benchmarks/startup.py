@@ -12,10 +12,11 @@ and ends the process: the time to that line is the start-up, and nothing of the 
 The launcher also stamps the stages of the start-up (perf_counter, in the process), each the first
 time it runs: the imports it needs beyond Lightning (fl-lightning's modules with jsonargparse, W&B,
 matplotlib; imported by the launcher one after the other so that each is a stage of its own,
-whatever imports it first in a run), the CLI's parsing (jsonargparse reads every method's
-signature), building the data module, method and Trainer, loading and partitioning the data, the
-W&B run's start (offline), the partition figure the analyses draw at fit start, and Lightning's
-set-up up to the round. A stage's time is its own: stages inside another are subtracted from it.
+whatever imports it first in a run), the CLI's parsing (jsonargparse reads the chosen
+classes' signatures and checks every value's type), building the data module, method and Trainer,
+loading and partitioning the data, the W&B run's start (offline), the partition the analyses log at
+fit start (what of it the fit waits for: its picture is drawn in a thread while round 1 starts), and
+Lightning's set-up up to the round. A stage's time is its own: stages inside another are subtracted from it.
 Each stage is also given in CPU seconds (the process's, all its threads): on a machine shared with
 other work the wall-clock seconds grow with the load, the CPU seconds much less.
 
@@ -96,7 +97,7 @@ P.instantiate_classes = stage("build the data module, method and Trainer", P.ins
 D = datamodule.FederatedDataModule
 D.setup = stage("load and partition the data", D.setup)
 A = analysis.AnalysisCallback
-A.log_partition = stage("the partition figure (analyses at fit start)", A.log_partition)
+A.log_partition = stage("the partition (analyses at fit start)", A.log_partition)
 L = loggers.FLWandbLogger
 L.experiment = property(stage("start the W&B run (offline)", L.experiment.fget))
 T = trainer_module.Trainer
