@@ -428,9 +428,9 @@ class AnalysisCallback(L.Callback):
         atomic_write_bytes(out / "partition.json", json.dumps({"counts": counts.tolist()}).encode())
         title = f"{_what(trainer, None)}: training samples per client and class"
         # The picture (and W&B's image and table of it) is made in a thread of its own while the
-        # first round starts: nothing of the fit waits for it, and it is the largest part of a
-        # fit's start that is fl-lightning's own (matplotlib's first text loads its fonts; W&B's
-        # first table imports pandas). It uses matplotlib's object-oriented Agg API only (pyplot's
+        # first round starts, so that the round does not wait for it: making it is a large part of
+        # a fit's start (matplotlib's first text loads its fonts; W&B's first table imports
+        # pandas). It uses matplotlib's object-oriented Agg API only (pyplot's
         # global state is not thread-safe). One worker runs the jobs in order. The W&B values go
         # into round 0's history row as futures, which the logger waits for before it sends that
         # row, so the row keeps its place before round 1's; the picture's file is waited for at the
