@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,7 @@ class FLWandbLogger(WandbLogger):
         self.add_to_round(metrics)
 
     def add_to_round(self, values: Mapping[str, Any]) -> None:
-        """Adds `values` (scalars, wandb media) to the row of their `round`."""
+        """Adds `values` (scalars, wandb media, or futures of them) to the row of their `round`."""
         if self._row and values.get("round", self._row.get("round")) != self._row.get("round"):
             self.flush_round()
         self._row.update(values)
@@ -106,6 +107,8 @@ class FLWandbLogger(WandbLogger):
         would refuse the row with a warning); offline, both parts would hold the step."""
         if self._row:
             row, self._row = self._row, {}
+            # a value still being made in the background (a future) is waited for: the row keeps its place
+            row = {k: v.result() if isinstance(v, Future) else v for k, v in row.items()}
             step = row.get("round")
             run = self.experiment
             if step is None:

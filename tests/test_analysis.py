@@ -332,6 +332,19 @@ def test_an_analysis_write_the_disk_refuses_leaves_no_half_file_and_no_temporary
     assert _left_in(run_dir / "analysis") == {}
 
 
+def test_a_partition_picture_the_disk_refuses_stops_the_fit(tmp_path, monkeypatch):
+    """The partition picture is written in the background while round 1 runs: a failure to write
+    it must still stop the fit (by the end of round 1), not pass unnoticed, and leave no half file."""
+    x, y = toy_data(n=40, num_classes=4)
+    dm = fixed_parts_module(x, y, [list(range(0, 20)), list(range(20, 40))], num_classes=4)
+    with monkeypatch.context() as patch:
+        _DiskFillsMidWrite(patch, tmp_path, fails=lambda name: name.endswith(".png"))
+        with pytest.raises(OSError, match="No space left on device"):
+            fit(FedAvg(model="mlp", data_spec=dm.spec), dm, rounds=2, callbacks=[AnalysisCallback()],
+                default_root_dir=str(tmp_path))
+    assert sorted(_left_in(tmp_path / "analysis")) == ["partition.json"]  # no picture, no temporary
+
+
 def test_partition_heatmap_of_1000_clients_is_a_bounded_picture():
     """A row per client would draw 1,000 clients 17,700 pixels tall (a quarter of a GiB while it is
     drawn): the picture stops growing at 16 inches; a few clients keep a row each."""

@@ -224,3 +224,19 @@ def test_the_heatmap_shows_the_federations_evaluation_of_each_local_model(fitted
             per_class = torch.tensor(per_class, dtype=torch.float64)
             weighted = float((per_class.nan_to_num() * counts).sum() / counts.sum())
             assert weighted == pytest.approx(local_acc[client], abs=1e-9)
+
+
+def test_the_partition_drawn_while_round_1_starts_is_in_its_file_and_in_round_0s_row(fitted):
+    """The partition picture is drawn in the background while the first round runs: its file is
+    still written, and W&B still gets it, the same picture, in round 0's row, sent before round 1's."""
+    import numpy as np
+    from PIL import Image
+
+    picture = np.asarray(Image.open(fitted / "analysis" / "partition.png").convert("RGB"))
+    assert picture.shape[0] >= 240 and len(np.unique(picture.reshape(-1, 3), axis=0)) > 20  # a heatmap, not blank
+    rows = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+            for r in records(fitted) if r.WhichOneof("record_type") == "history"]
+    assert [row["round"] for row in rows] == [0, 1, 2]  # the partition's row first, each round once
+    assert rows[0]["analysis/partition/_type"] == "image-file" and "analysis/partition_counts/_type" in rows[0]
+    media = next(fitted.glob("wandb/offline-run-*/files")) / rows[0]["analysis/partition/path"]
+    assert np.array_equal(np.asarray(Image.open(media).convert("RGB")), picture)

@@ -56,6 +56,20 @@ def test_dirichlet_is_seeded():
     assert not all(np.array_equal(x, y) for x, y in zip(a, c, strict=True))
 
 
+def test_dirichlet_split_is_pinned_across_redraws():
+    """The split a seed gives after redraws (this one takes 12 draws) is the split every earlier
+    version gave: redraws count the clients' sizes only, and the kept draw's lists must be the
+    same, so that runs and their published numbers can be reproduced."""
+    import hashlib
+
+    parts = P.dirichlet(LABELS, 20, 0.1, seed=3, min_size=10)
+    with pytest.raises(FLUserError):
+        P.dirichlet(LABELS, 20, 0.1, seed=3, min_size=10, max_retries=11)
+    assert all(p.dtype == np.int64 for p in parts) and [len(p) for p in parts][:6] == [55, 30, 62, 31, 38, 30]
+    digest = hashlib.sha256(b"".join(p.tobytes() + b"|" for p in parts)).hexdigest()[:16]
+    assert digest == "d313936508408a7f"
+
+
 def test_dirichlet_gives_up_with_a_clear_message():
     with pytest.raises(FLUserError, match="no split .* in 5 draws"):
         P.dirichlet(LABELS, 90, 0.01, seed=0, min_size=11, max_retries=5)

@@ -27,6 +27,7 @@ import contextlib
 import json
 import math
 import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Literal
 
@@ -51,6 +52,30 @@ from fl_lightning.round_metrics import log_round_metrics
 
 SURFACE_KINDS = (*DIRECTION_KINDS, "none")
 HVP_CHOICES = tuple(m for m in HVP_MODES if m != "auto")  # --analysis.hvp; "auto" is for direct use
+
+
+def _draw_partition(counts: np.ndarray, title: str, path: Path) -> np.ndarray:
+    # the same picture in a sweep's runs of one method and partition (its seeds): drawn once
+    image = plots.shared_image(plots.heatmap_image, counts, title, "class", "client id",
+                               quantity="training samples", row_labels=range(len(counts)))
+    plots.save_png(image, path)
+    return image
+
+
+def _wandb_media(kind: str, value: Any):
+    """A W&B image, histogram or table of `value` (a future's value when it is one)."""
+    import wandb
+
+    if isinstance(value, Future):
+        value = value.result()
+    if kind == "image":
+        return wandb.Image(value)
+    if kind == "histogram":
+        return wandb.Histogram(value)
+    if kind == "surface_table":
+        return wandb.Table(columns=["round", "alpha", "beta", "loss", "acc"], data=value)
+    columns, rows = value
+    return wandb.Table(columns=columns, data=rows)
 
 
 def global_model(pl_module) -> torch.nn.Module | None:
@@ -139,6 +164,7 @@ class AnalysisCallback(L.Callback):
         self._table_rows: list[list[float]] = []
         self._spectrum_history: dict[str, dict[int, tuple[float, float]]] = {}  # prefix -> round -> (l1, l1/lk)
         self._said: set[str] = set()
+        self._partition_drawn: Future | None = None  # the partition picture, drawn in the background
         self._classwise_heatmaps = plots.HeatmapSeries("class", "client id", "accuracy", limits=(0.0, 1.0))
 
     # ---- hooks --------------------------------------------------------------------------------
@@ -171,6 +197,7 @@ class AnalysisCallback(L.Callback):
         return bool(every and (round_no % every == 0 or round_no == trainer.max_epochs))
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
+        self.partition_written()  # its failure (a full disk) is the fit's, at its first round at the latest
         # Under DDP every rank holds the same global model: rank 0 alone analyses it and writes the
         # files. Nothing below is a collective (no sync_dist, no barrier), so the other ranks go on
         # to the next round and meet rank 0 at the round's first collective.
@@ -412,19 +439,44 @@ class AnalysisCallback(L.Callback):
     def log_partition(self, trainer, to_wandb: bool = True) -> None:
         dm = trainer.datamodule
         counts = partition_counts(dm.train_set.labels, dm.client_parts, dm.spec.num_classes)
-        # the same picture in a sweep's runs of one method and partition (its seeds): drawn once (~0.3 s)
-        image = plots.shared_image(plots.heatmap_image, counts,
-                                   f"{_what(trainer, None)}: training samples per client and class", "class",
-                                   "client id", quantity="training samples", row_labels=range(len(counts)))
         out = Path(trainer.default_root_dir) / "analysis"
         out.mkdir(parents=True, exist_ok=True)
-        plots.save_png(image, out / "partition.png")
         atomic_write_bytes(out / "partition.json", json.dumps({"counts": counts.tolist()}).encode())
+        title = f"{_what(trainer, None)}: training samples per client and class"
+        # The picture (and W&B's image and table of it) is made in a thread of its own while the
+        # first round starts, so that the round does not wait for it: making it is a large part of
+        # a fit's start (matplotlib's first text loads its fonts; W&B's first table imports
+        # pandas). It uses matplotlib's object-oriented Agg API only (pyplot's
+        # global state is not thread-safe). One worker runs the jobs in order. The W&B values go
+        # into round 0's history row as futures, which the logger waits for before it sends that
+        # row, so the row keeps its place before round 1's; the picture's file is waited for at the
+        # end of round 1 at the latest, where an error drawing or writing it stops the fit.
+        worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fl-lightning-partition")
+        self._partition_drawn = worker.submit(_draw_partition, counts, title, out / "partition.png")
         rows = [[c, *counts[c].tolist(), int(counts[c].sum())] for c in range(len(counts))]
         columns = ["client", *[f"class_{k}" for k in range(counts.shape[1])], "total"]
-        if to_wandb:
-            self._log_media(trainer, 0, {"analysis/partition": ("image", image),
-                                         "analysis/partition_counts": ("table", (columns, rows))})
+        if to_wandb and any(isinstance(lg, FLWandbLogger) for lg in trainer.loggers):
+            image = worker.submit(_wandb_media, "image", self._partition_drawn)
+            table = worker.submit(_wandb_media, "table", (columns, rows))
+            for logger in trainer.loggers:
+                if isinstance(logger, FLWandbLogger):
+                    logger.add_to_round({"round": 0, "analysis/partition": image, "analysis/partition_counts": table})
+        worker.shutdown(wait=False)
+        from lightning.pytorch.loggers import WandbLogger
+
+        others = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger) and not isinstance(lg, FLWandbLogger)]
+        if to_wandb and others:
+            # another W&B logger sends its values at once: it has the picture when it is drawn
+            self._log_media(trainer, 0, {"analysis/partition": ("image", self.partition_written()),
+                                         "analysis/partition_counts": ("table", (columns, rows))}, plain_only=True)
+
+    def partition_written(self) -> np.ndarray | None:
+        """The partition picture once its file is written (waits for it; raises what stopped it)."""
+        return None if self._partition_drawn is None else self._partition_drawn.result()
+
+    def teardown(self, trainer, pl_module, stage: str) -> None:
+        if self._partition_drawn is not None:
+            wait([self._partition_drawn])  # no file left half-drawn when the fit ends early
 
     # ---- outputs ------------------------------------------------------------------------------
     def write_files(self, trainer, round_no: int, scalars: dict[str, float], files: dict[str, Any]) -> None:
@@ -441,28 +493,19 @@ class AnalysisCallback(L.Callback):
             if key.endswith(".png"):
                 plots.save_png(image, out / key)
 
-    def _log_media(self, trainer, round_no: int, media: dict[str, tuple[str, Any]]) -> None:
-        """Images, histograms and tables go straight to the W&B run (rank 0), with the round."""
+    def _log_media(self, trainer, round_no: int, media: dict[str, tuple[str, Any]], plain_only: bool = False) -> None:
+        """Images, histograms and tables go straight to the W&B run (rank 0), with the round.
+        `plain_only`: to W&B loggers other than fl-lightning's own."""
         if not trainer.is_global_zero:
             return
         from lightning.pytorch.loggers import WandbLogger
 
         for logger in trainer.loggers:
-            if not isinstance(logger, WandbLogger):
+            if not isinstance(logger, WandbLogger) or (plain_only and isinstance(logger, FLWandbLogger)):
                 continue
-            import wandb
-
             payload: dict[str, Any] = {"round": round_no}
             for key, (kind, value) in media.items():
-                if kind == "image":
-                    payload[key] = wandb.Image(value)
-                elif kind == "histogram":
-                    payload[key] = wandb.Histogram(value)
-                elif key.endswith("surface_table"):
-                    payload[key] = wandb.Table(columns=["round", "alpha", "beta", "loss", "acc"], data=value)
-                else:
-                    columns, rows = value
-                    payload[key] = wandb.Table(columns=columns, data=rows)
+                payload[key] = _wandb_media("surface_table" if key.endswith("surface_table") else kind, value)
             if isinstance(logger, FLWandbLogger):
                 logger.add_to_round(payload)  # in the round's one history row
             else:

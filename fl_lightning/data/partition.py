@@ -50,26 +50,29 @@ def dirichlet(
             f"lower min_size or num_clients"
         )
     rng = np.random.default_rng(seed)
-    classes = np.unique(labels)
+    by_class = [np.flatnonzero(labels == c) for c in np.unique(labels)]
     cap = len(labels) / num_clients
     smallest = 0
     for _ in range(max_retries):
-        buckets: list[list[int]] = [[] for _ in range(num_clients)]
-        for c in classes:
-            idx = np.flatnonzero(labels == c)
+        # a draw only counts each client's samples; the index lists are built for the draw that is
+        # kept (most draws of a small alpha are redrawn)
+        sizes = np.zeros(num_clients, dtype=np.int64)
+        drawn = []
+        for members in by_class:
+            idx = members.copy()
             rng.shuffle(idx)
             p = rng.dirichlet(np.full(num_clients, alpha))
-            sizes = np.array([len(b) for b in buckets])
             p = p * (sizes < cap)
             if p.sum() == 0:  # every client is full: spread the class uniformly instead of dropping it
                 p = np.ones(num_clients)
             p = p / p.sum()
             cuts = (np.cumsum(p) * len(idx)).astype(int)[:-1]
-            for bucket, part in zip(buckets, np.split(idx, cuts), strict=True):
-                bucket.extend(part.tolist())
-        smallest = min(len(b) for b in buckets)
+            sizes += np.diff(cuts, prepend=0, append=len(idx))
+            drawn.append((idx, cuts))
+        smallest = int(sizes.min())
         if smallest >= min_size:
-            return [np.sort(np.asarray(b, dtype=np.int64)) for b in buckets]
+            parts = [np.split(idx, cuts) for idx, cuts in drawn]
+            return [np.sort(np.concatenate([p[k] for p in parts]).astype(np.int64)) for k in range(num_clients)]
     raise FLUserError(
         f"dirichlet(alpha={alpha}) found no split of {len(labels)} samples over {num_clients} clients with "
         f"min_size={min_size} in {max_retries} draws (smallest client had {smallest}); "
