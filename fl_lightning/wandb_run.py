@@ -15,6 +15,7 @@ in, one history row per round) is fl_lightning/loggers.py.
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import sys
@@ -88,6 +89,10 @@ def continue_fit_wandb_run(loggers, root: str | Path) -> None:
             init["id"] = run_id
             init["resume"] = init.get("resume") or "allow"
             logger.first_step = logged_steps(root, run_id)
+            # A W&B service inherited from a parent process (WANDB_SERVICE in the environment: a
+            # test runner's, a job script's) may still hold this run's stream for the fit that was
+            # killed, and refuses the same id ("run ID ... is in use"): this process starts its own.
+            os.environ.pop("WANDB_SERVICE", None)
 
 
 def logged_steps(save_dir: str | Path, run_id: str) -> int:

@@ -470,8 +470,9 @@ def on_a_full_disk(root: Path, *args: str, full: Path | None = None) -> tuple[in
 
 
 def test_a_resume_on_a_full_disk_ends_in_one_line_and_loses_nothing(tmp_path):
-    """A finished 1-round run resumed on a full disk: its partition picture is the first write the
-    disk refuses, and W&B's log file refuses every message and then W&B's finish. It ended in exit
+    """A finished 1-round run resumed on a full disk: its records, written again, are the first
+    write the disk refuses (the partition picture is kept from the fit), and W&B's log file refuses
+    every message and then W&B's finish. It ended in exit
     1 and some 20,000 lines of tracebacks; it ends in the one line, exit 4, and the run's files as
     they were, which the same command completes once there is room."""
     root = tmp_path / "run"
@@ -482,7 +483,7 @@ def test_a_resume_on_a_full_disk_ends_in_one_line_and_loses_nothing(tmp_path):
     code, err = on_a_full_disk(root, *args, "--ckpt_path", "last", full=root)
     assert code == EXIT_LOST, err[-3000:]
     assert_one_line(err, rf"error: the disk refused a write \(No space left on device: "
-                         rf"{re.escape(str(root / 'analysis' / 'partition.png'))}\); 1 completed round\(s\) are saved "
+                         rf"{re.escape(str(root / 'metrics.csv'))}\); 1 completed round\(s\) are saved "
                          rf"in {re.escape(str(root / 'checkpoints' / 'last.ckpt'))}; make room .* and run the same "
                          rf"command with --ckpt_path last")
     assert "Logging error" not in err and "wandb" not in err.lower(), err[-3000:]

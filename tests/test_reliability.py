@@ -329,3 +329,29 @@ def test_summary_of_a_model_heterogeneous_run_uses_the_clients_accuracy(tmp_path
     assert summary["accuracy"] == "clients/test_acc"
     assert (summary["final_acc"], summary["final_round"]) == (0.6, 3)
     assert (summary["best_acc"], summary["best_round"]) == (0.7, 2)
+
+
+SHARED_SERVICE = """
+import subprocess, sys, json, wandb
+wandb.setup()  # a W&B service of this process's, which its children find in WANDB_SERVICE
+killed = subprocess.run(json.loads(sys.argv[1]), capture_output=True, text=True)
+resumed = subprocess.run(json.loads(sys.argv[2]), capture_output=True, text=True)
+print(json.dumps([killed.returncode, resumed.returncode, resumed.stderr[-3000:]]))
+"""
+
+
+def test_a_killed_fit_resumes_into_its_w_and_b_run_under_a_parents_service(tmp_path):
+    """A fit started by a process that runs a W&B service (a test runner, a job script with W&B)
+    connects to that service; killed with SIGKILL, its run's stream can stay open there, and the
+    resumed fit, continuing the same W&B run id, was refused ("run ID ... is in use")."""
+    root = tmp_path / "run"
+    fit = cli("fit", *METHODS["fedsol"], "--trainer.max_epochs", "3", "--trainer.default_root_dir", str(root))
+    done = subprocess.run([sys.executable, "-c", SHARED_SERVICE, json.dumps([*fit, *kill_switch(2, "train")]),
+                           json.dumps([*fit, "--ckpt_path", "last"])],
+                          env=env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    killed, resumed, err = json.loads(done.stdout.strip().splitlines()[-1])
+    assert killed == -signal.SIGKILL
+    assert resumed == 0, err
+    parts = sorted((root / "wandb").glob("offline-run-*"))
+    assert len(parts) == 2 and len({p.name.rsplit("-", 1)[1] for p in parts}) == 1, parts  # one run, two parts
