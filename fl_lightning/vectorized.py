@@ -286,7 +286,32 @@ def _step_function(method, step: int):
         return ({n: g.unsqueeze(0) for n, g in grads.items()},
                 {k: v.detach().unsqueeze(0) for k, v in logs.items()})
 
+    def one_backward(params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor):
+        # the clients' losses are independent, so the gradient of their sum with respect to a
+        # client's row of the stacked parameters is that client's gradient
+        leaves = {n: p.detach().requires_grad_(True) for n, p in params.items()}
+        losses, logs = vmap(lambda p, xi, yi: functional_call(
+            objective, {f"model.{n}": t for n, t in p.items()}, (xi, yi)))(leaves, x, y)
+        found = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
+        grads = {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(leaves.items(), found, strict=True)}
+        return grads, {k: v.detach() for k, v in logs.items()}
+
+    if _one_backward(method):
+        together = one_backward
     return lambda params, x, y: one_client(params, x, y) if len(x) == 1 else together(params, x, y)
+
+
+LOSS_HOOKS = ("loss", "vectorized_loss", "vectorized_logs")
+
+
+def _one_backward(method) -> bool:
+    """Whether the engine may take `method`'s step as one backward pass (see
+    `FederatedMethod.vectorized_one_backward`): the class that declares it gives the loss hooks
+    the method uses, so a subclass with a loss of its own takes the general path."""
+    declarer = next((c for c in type(method).__mro__ if "vectorized_one_backward" in vars(c)), None)
+    if declarer is None or not declarer.vectorized_one_backward:
+        return False
+    return all(getattr(type(method), hook) is getattr(declarer, hook) for hook in LOSS_HOOKS)
 
 
 def _results(params: dict[str, torch.Tensor], batches: list[list], records: list) -> list[ClientResult]:

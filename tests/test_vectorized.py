@@ -173,3 +173,19 @@ def test_what_cannot_run_vectorised_is_refused_in_one_line(extra, needles, tmp_p
     assert lines[0].endswith("use --federation.engine sequential"), lines[0]
     for needle in needles:
         assert needle in lines[0], (needle, lines[0])
+
+
+def test_one_backward_pass_only_where_the_declaring_class_gives_the_loss():
+    """FedAvg's step is the gradient of the sum of its clients' losses (one backward pass); a
+    method whose loss tests `requires_grad` (FedProx) or a FedAvg subclass with a loss of its own
+    takes `vmap` of `torch.func.grad`; both give FedAvg's equality with the sequential engine."""
+    from fl_lightning.vectorized import _one_backward
+
+    class OwnLoss(FedAvg):
+        def loss(self, model, batch, context):
+            return super().loss(model, batch, context) * 2
+
+    spec = fixed_parts_module(*toy_data(n=33, size=4, num_classes=3), PARTS, batch_size=4).spec
+    assert _one_backward(FedAvg(model="mlp", data_spec=spec))
+    assert not _one_backward(FedProx(model="mlp", data_spec=spec))
+    assert not _one_backward(OwnLoss(model="mlp", data_spec=spec))

@@ -241,6 +241,11 @@ class FederatedMethod(L.LightningModule):
     # -100: F.cross_entropy's ignore_index) is the loss of the batch: a mean cross-entropy plus
     # terms free of the batch. Clients whose batches differ in size then still step in one call.
     vectorized_padding: bool = False
+    # True when the method's loss reads nothing of a parameter but its value (no `requires_grad`
+    # test, no inner gradient): the engine may then differentiate the sum of the clients' vmapped
+    # losses in one backward pass, where `vmap` of `torch.func.grad` wraps every operation twice.
+    # Used only while the class that sets it also gives the loss hooks (vectorized.py checks).
+    vectorized_one_backward: bool = False
 
     def vectorized_loss(self, model: nn.Module, batch, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The loss whose gradient is local step number `step` (0-based) of one client, with the

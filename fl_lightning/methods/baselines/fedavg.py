@@ -10,3 +10,4 @@ from fl_lightning.methods.shared_model import SharedModelMethod
 class FedAvg(SharedModelMethod):
     vectorized = True  # its local step is a loss on the shared model (--federation.engine vectorized)
     vectorized_padding = True  # mean cross-entropy
+    vectorized_one_backward = True  # cross-entropy of the model's output: values only
