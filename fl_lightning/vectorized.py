@@ -45,6 +45,7 @@ from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from fl_lightning import compat
+from fl_lightning.methods.local_step import per_step_listeners
 from fl_lightning.parallel import clients_in_parallel
 
 ENGINES = ("sequential", "vectorized")
@@ -56,7 +57,6 @@ BYPASSED_HOOKS = ("training_step", "minibatch_step", "loss", "loss_context", "ve
                   "vectorized_logs", "after_backward", "after_optimizer_step", "on_before_optimizer_step",
                   "client_start", "client_end", "local_parameters", "configure_optimizers", "personal_keys")
 DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
-PER_STEP_HOOKS = ("on_before_backward", "on_after_backward", "on_before_optimizer_step", "on_before_zero_grad")
 
 
 # ---- the refusals ---------------------------------------------------------------------------------
@@ -69,11 +69,12 @@ def refusal(trainer: L.Trainer, method) -> str | None:
     return None
 
 
-def _declarer(cls: type) -> type | None:
-    """The class that set `vectorized = True` for `cls` (None when support is not declared)."""
+def _declarer(cls: type, flag: str = "vectorized") -> type | None:
+    """The class that set `flag` (`vectorized`, `vectorized_one_backward`) to True for `cls` (None
+    when it is not set)."""
     for klass in cls.__mro__:
-        if "vectorized" in klass.__dict__:
-            return klass if klass.__dict__["vectorized"] else None
+        if flag in klass.__dict__:
+            return klass if klass.__dict__[flag] else None
     return None
 
 
@@ -124,8 +125,7 @@ def _trainer_refusal(trainer, method) -> str | None:
         return "does not clip gradients (--trainer.gradient_clip_val)"
     if trainer.world_size > 1 and not clients_in_parallel(trainer):
         return "trains whole clients on each process (--federation.parallel clients), not shares of their batches"
-    listeners = [type(cb).__name__ for cb in trainer.callbacks
-                 if any(getattr(type(cb), h) is not getattr(L.Callback, h) for h in PER_STEP_HOOKS)]
+    listeners = per_step_listeners(trainer.callbacks)
     if listeners:
         return f"takes no per-step hooks, which {', '.join(listeners)} listens to"
     return None
@@ -308,8 +308,8 @@ def _one_backward(method) -> bool:
     """Whether the engine may take `method`'s step as one backward pass (see
     `FederatedMethod.vectorized_one_backward`): the class that declares it gives the loss hooks
     the method uses, so a subclass with a loss of its own takes the general path."""
-    declarer = next((c for c in type(method).__mro__ if "vectorized_one_backward" in vars(c)), None)
-    if declarer is None or not declarer.vectorized_one_backward:
+    declarer = _declarer(type(method), "vectorized_one_backward")
+    if declarer is None:
         return False
     return all(getattr(type(method), hook) is getattr(declarer, hook) for hook in LOSS_HOOKS)
 

@@ -47,8 +47,17 @@ def lightning_wrappers_idle(trainer: L.Trainer, module_type: type, base: type) -
     one_device = type(trainer.strategy) is SingleDeviceStrategy or type(trainer.strategy) is ClientParallelStrategy
     if not one_device or type(trainer.precision_plugin) is not Precision:
         return False
-    listeners = [(type(cb), L.Callback) for cb in trainer.callbacks] + [(module_type, base)]
-    return not any(getattr(cls, h) is not getattr(parent, h) for cls, parent in listeners for h in PER_STEP_HOOKS)
+    return not per_step_listeners(trainer.callbacks) and not overrides_per_step_hook(module_type, base)
+
+
+def overrides_per_step_hook(cls: type, parent: type) -> bool:
+    """Whether `cls` overrides one of `parent`'s per-step hooks."""
+    return any(getattr(cls, h) is not getattr(parent, h) for h in PER_STEP_HOOKS)
+
+
+def per_step_listeners(callbacks) -> list[str]:
+    """The names of the callbacks that listen to a per-step hook."""
+    return [type(cb).__name__ for cb in callbacks if overrides_per_step_hook(type(cb), L.Callback)]
 
 
 def round_constraint(mode: str, model: nn.Module, global_weights: dict[str, torch.Tensor]) -> ChannelConstraint:
