@@ -445,9 +445,14 @@ def _update_finite(update: ServerUpdate, server: ServerState) -> bool:
     return all_finite(update.global_state or {}) and all_finite(tensors)
 
 
+def callback_of(trainer, kind: type[L.Callback]):
+    """The trainer's first callback of type `kind`, or None."""
+    return next((c for c in trainer.callbacks if isinstance(c, kind)), None)
+
+
 def federation_of(trainer) -> FederatedCallback | None:
     """The run's round callback (the public per-round report other callbacks read)."""
-    return next((c for c in trainer.callbacks if isinstance(c, FederatedCallback)), None)
+    return callback_of(trainer, FederatedCallback)
 
 
 def federation_before(trainer, callback: L.Callback) -> FederatedCallback | None:

@@ -48,7 +48,7 @@ from fl_lightning.checkpointing import AtomicCheckpointIO, RoundCheckpoint
 from fl_lightning.cli_parsing import FLArgumentParser, FLCLIParsing
 from fl_lightning.config_files import layered_config_args
 from fl_lightning.data.datamodule import FederatedDataModule, clients_per_round
-from fl_lightning.federation import federation_of
+from fl_lightning.federation import callback_of, federation_of
 from fl_lightning.methods import FederatedMethod
 from fl_lightning.outcome import EXIT_STOPPED, FLInterrupted
 from fl_lightning.progress import RoundProgressBar
@@ -139,7 +139,7 @@ class FLCLI(FLCLIParsing):
         if key in metrics:
             loss = metrics.get(key.replace("_acc", "_loss"))
             line += f": {key} {float(metrics[key]):.4f}" + (f", loss {float(loss):.4f}" if loss is not None else "")
-        analysis = next((c for c in self.trainer.callbacks if isinstance(c, AnalysisCallback)), None)
+        analysis = callback_of(self.trainer, AnalysisCallback)
         if self.subcommand == "analyze" and analysis is not None and analysis.written is not None:
             self._end_with(line, f"analysis written to {analysis.written}{sync_hint()}")
         else:

@@ -35,7 +35,7 @@ from lightning.pytorch.callbacks import Callback
 from fl_lightning import compat
 from fl_lightning.cli_parsing import summarise_parse_error
 from fl_lightning.errors import FLUserError
-from fl_lightning.federation import federation_of
+from fl_lightning.federation import callback_of, federation_of
 from fl_lightning.outcome import (
     EXIT_LOST,
     EXIT_USER_ERROR,
@@ -211,7 +211,7 @@ class LostProcessWatchdog(Callback):
                 if self._stop.wait(self.GRACE_SECONDS):
                     return
                 line = _lost_line()
-                results = next((c for c in trainer.callbacks if isinstance(c, ResultsCallback)), None)
+                results = callback_of(trainer, ResultsCallback)
                 if results is not None:
                     with contextlib.suppress(Exception):
                         results.record_lost(trainer, pl_module, line)

@@ -16,6 +16,7 @@ from lightning.pytorch import Trainer
 from fl_lightning.analysis.callback import AnalysisCallback
 from fl_lightning.checkpointing import completed_rounds, load_checkpoint_file
 from fl_lightning.errors import FLUserError
+from fl_lightning.federation import callback_of
 
 
 class FLTrainer(Trainer):
@@ -69,7 +70,7 @@ class FLTrainer(Trainer):
         """
         if not ckpt_path:
             raise FLUserError("analyze needs --ckpt_path <checkpoint>, e.g. runs/x/checkpoints/last.ckpt")
-        callback = next((c for c in self.callbacks if isinstance(c, AnalysisCallback)), None)
+        callback = callback_of(self, AnalysisCallback)
         if callback is None:
             raise RuntimeError("analyze needs the AnalysisCallback (the CLI adds it as --analysis)")
         callback.forced = True
