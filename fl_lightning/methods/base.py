@@ -90,7 +90,7 @@ from fl_lightning.errors import FLUserError
 from fl_lightning.fedconst import CONSTRAINT_MODES
 from fl_lightning.methods.local_logs import LocalLogs
 from fl_lightning.methods.local_step import LocalSteps
-from fl_lightning.models import MEMORY_FORMATS, FLModel, memory_format_for
+from fl_lightning.models import FLModel, check_memory_format, memory_format_for
 from fl_lightning.parallel import clients_in_parallel
 from fl_lightning.round_metrics import log_round_metrics
 from fl_lightning.state import ServerState, State, WorkingCopies
@@ -202,8 +202,7 @@ class FederatedMethod(L.LightningModule):
             raise FLUserError(f"lr_milestones are rounds >= 1, e.g. [160, 240], got {lr_milestones}")
         if constraint not in CONSTRAINT_MODES:
             raise FLUserError(f"constraint must be one of {', '.join(CONSTRAINT_MODES)}, got '{constraint}'")
-        if memory_format not in MEMORY_FORMATS:
-            raise FLUserError(f"memory_format must be one of {', '.join(MEMORY_FORMATS)}, got '{memory_format}'")
+        check_memory_format(memory_format)
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.round_idx = -1

@@ -54,10 +54,15 @@ CHANNELS_LAST_ON_CPU = {"fedavg_cnn", "cnn4", "lenet5", "lenet5_nobias", "mobile
 FULLY_CONNECTED = {"mlp", "mlp_bn", "mlp_2nn"}  # no convolution: the layout changes nothing
 
 
+def check_memory_format(option: str) -> None:
+    """Refuses, in one line, a `--model.memory_format` that is none of MEMORY_FORMATS."""
+    if option not in MEMORY_FORMATS:
+        raise FLUserError(f"--model.memory_format must be one of {', '.join(MEMORY_FORMATS)}, got '{option}'")
+
+
 def memory_format_for(option: str, architectures: Iterable[str], device: torch.device) -> torch.memory_format:
     """The layout `option` means for models of `architectures` trained on `device`."""
-    if option not in MEMORY_FORMATS:
-        raise FLUserError(f"memory_format must be one of {', '.join(MEMORY_FORMATS)}, got '{option}'")
+    check_memory_format(option)
     convolutional = [a for a in architectures if a not in FULLY_CONNECTED]
     if option == "contiguous" or not convolutional:
         return torch.contiguous_format
@@ -127,4 +132,5 @@ def register_model(name: str, factory: Callable[..., FLModel], channels_last_on_
         FULLY_CONNECTED.add(name)
 
 
-__all__ = ["FLModel", "MEMORY_FORMATS", "MODELS", "build_model", "memory_format_for", "register_model", "nn"]
+__all__ = ["FLModel", "MEMORY_FORMATS", "MODELS", "build_model", "check_memory_format", "memory_format_for",
+           "register_model", "nn"]
