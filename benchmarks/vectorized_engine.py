@@ -55,7 +55,7 @@ class RoundTimer(L.Callback):
             self.times.append(time.process_time() - self._start)
 
 
-def run(engine: str, setting: str, model: str, method: str, rounds: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+def run(engine: str, setting: str, model: str, method: str, rounds: int, group: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     dm = FederatedDataModule(**SETTINGS[setting])
     cls, kw = METHODS[method]
@@ -64,7 +64,7 @@ def run(engine: str, setting: str, model: str, method: str, rounds: int) -> tupl
     trainer = L.Trainer(max_epochs=rounds, reload_dataloaders_every_n_epochs=1, num_sanity_val_steps=0,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, accelerator="cpu", devices=1,
-                        callbacks=[FederatedCallback(eval_local_models=False, engine=engine), timer])
+                        callbacks=[FederatedCallback(eval_local_models=False, engine=engine, engine_group=group), timer])
     trainer.fit(module, dm)
     return timer.times[1:], {k: v.detach().clone() for k, v in module.model.state_dict().items()}
 

@@ -39,6 +39,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.plugins.precision import DoublePrecision, Precision
 from torch import nn
@@ -180,33 +181,86 @@ class ClientResult:
 IGNORED = -100  # F.cross_entropy's default ignore_index: a padded sample's label
 
 
-def _calls(batches: list[list], step: int, padded: bool) -> list[list[int]]:
-    """The clients stepping together at `step` (those with a batch there: a prefix, as the group
-    is sorted by steps, longest first), one list per vmap call: all of them, padded to one batch
-    shape, or grouped by their batches' shapes."""
-    rows = [i for i, client_batches in enumerate(batches) if step < len(client_batches)]
-    if padded:
-        return [rows]
-    groups: dict[tuple, list[int]] = {}
-    for i in rows:
-        x, y = batches[i][step]
-        groups.setdefault((tuple(x.shape), tuple(y.shape)), []).append(i)
-    return list(groups.values())
+class ListedBatches:
+    """The group's mini-batches as lists of (x, y), client by client: `batches[i][t]` is client
+    i's batch at local step t."""
+
+    def __init__(self, batches: list[list[tuple[torch.Tensor, torch.Tensor]]]):
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def reordered(self, order: list[int]) -> ListedBatches:
+        return ListedBatches([self.batches[i] for i in order])
+
+    def steps(self, i: int) -> int:
+        return len(self.batches[i])
+
+    def size(self, i: int, step: int) -> int:
+        return len(self.batches[i][step][1])
+
+    def stacked(self, rows: list[int], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return _padded([self.batches[i][step] for i in rows])
 
 
-def _stacked_batch(batches: list[list], step: int, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's batches of `rows` stacked; batches shorter than the longest are padded with
-    zero images and ignored labels, which a loss of mean cross-entropy leaves out."""
-    xs, ys = zip(*(batches[i][step] for i in rows), strict=True)
+class IndexedBatches:
+    """The group's mini-batches made from the clients' sample indices (`ClientWork.batches`) by
+    the data module, one step at a time: the rows of a step are one gather and one conversion of
+    their samples (`FederatedDataModule.samples`), where a client's own batches would each be
+    converted and then copied into the stack. Used where the data module makes batches from
+    indices; `ListedBatches` otherwise (augmented or decoded data)."""
+
+    def __init__(self, indices: list[list], samples, convert):
+        self.indices, self.samples, self.convert = indices, samples, convert
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def reordered(self, order: list[int]) -> IndexedBatches:
+        return IndexedBatches([self.indices[i] for i in order], self.samples, self.convert)
+
+    def steps(self, i: int) -> int:
+        return len(self.indices[i])
+
+    def size(self, i: int, step: int) -> int:
+        return len(self.indices[i][step])
+
+    def stacked(self, rows: list[int], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chosen = [self.indices[i][step] for i in rows]
+        x, y = self.convert(self.samples(np.concatenate(chosen)))
+        sizes = [len(c) for c in chosen]
+        if len(set(sizes)) == 1:  # one shape: the stack is a view of the gathered samples
+            return x.view(len(rows), sizes[0], *x.shape[1:]), y.view(len(rows), sizes[0])
+        return _padded(list(zip(x.split(sizes), y.split(sizes), strict=True)))
+
+
+def _padded(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batches` stacked; batches shorter than the longest are padded with zero images and
+    ignored labels, which a loss of mean cross-entropy leaves out."""
+    xs, ys = zip(*batches, strict=True)
     size = max(len(y) for y in ys)
     if all(len(y) == size for y in ys):
         return torch.stack(xs), torch.stack(ys)
-    x = xs[0].new_zeros((len(rows), size, *xs[0].shape[1:]))
-    y = ys[0].new_full((len(rows), size), IGNORED)
+    x = xs[0].new_zeros((len(ys), size, *xs[0].shape[1:]))
+    y = ys[0].new_full((len(ys), size), IGNORED)
     for i, (xb, yb) in enumerate(zip(xs, ys, strict=True)):
         x[i, : len(yb)] = xb
         y[i, : len(yb)] = yb
     return x, y
+
+
+def _calls(batches, count: int, step: int, padded: bool) -> list[list[int]]:
+    """The clients stepping together at `step` (those with a batch there: a prefix, as the group
+    is sorted by steps, longest first), one list per vmap call: all of them, padded to one batch
+    size, or grouped by their batches' sizes."""
+    rows = [i for i in range(count) if step < batches.steps(i)]
+    if padded:
+        return [rows]
+    groups: dict[int, list[int]] = {}
+    for i in rows:
+        groups.setdefault(batches.size(i, step), []).append(i)
+    return list(groups.values())
 
 
 class _Stacks:
@@ -239,23 +293,25 @@ class _Stacks:
         return logs
 
 
-def train_together(method, batches: list[list[tuple[torch.Tensor, torch.Tensor]]]) -> list[ClientResult]:
+def train_together(method, batches: ListedBatches | IndexedBatches) -> list[ClientResult]:
     """Every client's local training from the round-start global weights, as one vectorised step
-    per local step (or a few, where batch shapes differ and the method cannot pad them);
-    `batches[i]` are client i's mini-batches in order."""
+    per local step (or a few, where batch sizes differ and the method cannot pad them)."""
     lr, momentum, weight_decay = _optimizer_settings(method)
-    order = sorted(range(len(batches)), key=lambda i: -len(batches[i]))  # active clients: a prefix
-    batches = [batches[i] for i in order]
-    stacks = _Stacks(method.model, len(batches), momentum)
+    if isinstance(batches, list):
+        batches = ListedBatches(batches)
+    count = len(batches)
+    order = sorted(range(count), key=lambda i: -batches.steps(i))  # active clients: a prefix
+    batches = batches.reordered(order)
+    stacks = _Stacks(method.model, count, momentum)
     records: list[tuple[list[int], dict[str, torch.Tensor]]] = []
-    for step in range(len(batches[0]) if batches else 0):
+    for step in range(batches.steps(0) if count else 0):
         step_fn = _step_function(method, step)
-        for rows in _calls(batches, step, method.vectorized_padding):
-            x, y = _stacked_batch(batches, step, rows)
+        for rows in _calls(batches, count, step, method.vectorized_padding):
+            x, y = batches.stacked(rows, step)
             logs = stacks.step(rows, step_fn, x, y, (lr, momentum, weight_decay))
             records.append((rows, {k: v.detach() for k, v in logs.items()}))
-    results = _results(stacks.params, batches, records)
-    return [results[order.index(i)] for i in range(len(order))]
+    results = _results(stacks.params, batches, count, records)
+    return [results[order.index(i)] for i in range(count)]
 
 
 def _step_function(method, step: int):
@@ -314,16 +370,15 @@ def _one_backward(method) -> bool:
     return all(getattr(type(method), hook) is getattr(declarer, hook) for hook in LOSS_HOOKS)
 
 
-def _results(params: dict[str, torch.Tensor], batches: list[list], records: list) -> list[ClientResult]:
+def _results(params: dict[str, torch.Tensor], batches, count: int, records: list) -> list[ClientResult]:
     """Per client: its row of the stacked weights, and its logs in step order (read from the
     device once for the whole group)."""
-    results = [ClientResult({n: p[i] for n, p in params.items()}, steps=len(b)) for i, b in enumerate(batches)]
-    step_of = [0] * len(batches)
+    results = [ClientResult({n: p[i] for n, p in params.items()}, steps=batches.steps(i)) for i in range(count)]
+    step_of = [0] * count
     for rows, logs in records:
         values = {k: v.double().cpu().tolist() for k, v in logs.items()}
         for position, i in enumerate(rows):
-            size = len(batches[i][step_of[i]][1])
-            results[i].logs.append(({k: v[position] for k, v in values.items()}, size))
+            results[i].logs.append(({k: v[position] for k, v in values.items()}, batches.size(i, step_of[i])))
             step_of[i] += 1
     return results
 
@@ -364,6 +419,9 @@ class VectorizedEngine:
         first = next(i for i, c in enumerate(clients) if c.client == work.client)
         group = clients[first:] if self.group_size == 0 else clients[first:first + self.group_size]
         convert = trainer.precision_plugin.convert_input
-        batches = [[convert(b) for b in dm.minibatches(c)] for c in group]
+        if dm.samples_from_indices:
+            batches = IndexedBatches([c.batches for c in group], dm.samples, convert)
+        else:
+            batches = ListedBatches([[convert(b) for b in dm.minibatches(c)] for c in group])
         for c, result in zip(group, train_together(method, batches), strict=True):
             self._results[(c.round, c.client)] = result

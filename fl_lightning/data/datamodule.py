@@ -415,6 +415,21 @@ class FederatedDataModule(L.LightningDataModule):
             self._device_cache[id(dataset)] = cached
         return cached
 
+    @property
+    def samples_from_indices(self) -> bool:
+        """Whether `samples` makes training batches: the training set is held as tensors and not
+        augmented (augmented batches draw their crops per client and batch; image folders are
+        decoded by a DataLoader)."""
+        tensors = self._on_device(self.train_set)
+        return tensors is not None and not tensors.augment
+
+    def samples(self, indices: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training samples `indices` as the model sees them, gathered and converted at once:
+        what `minibatches` makes of the same indices (see `samples_from_indices`)."""
+        tensors = self._on_device(self.train_set)
+        images, labels = tensors.take(torch.from_numpy(indices).to(tensors.images.device))
+        return tensors.finish(images), labels
+
     def minibatches(self, work: ClientWork) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """A client's local mini-batches, in order, on the training device (this rank's share)."""
         rank, world = (self.trainer.global_rank, self.trainer.world_size) if self.trainer else (0, 1)
