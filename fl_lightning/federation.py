@@ -123,20 +123,23 @@ class FederatedCallback(L.Callback):
         engine: how a round's clients train: "sequential" (one after the other, every method) or
             "vectorized" (together, as one step over stacked parameters, for the methods that
             declare it: vectorized.py, which says what it refuses).
-        engine_group: with the vectorized engine, the clients trained together at most (0: all
-            of a round's clients on this process); lower it when they do not fit in memory.
+        engine_group: with the vectorized engine, the clients trained together at most: 0 all of
+            a round's clients on this process, N at most N (lower it when they do not fit in
+            memory), 1 each client alone with the sequential engine's step. Not given: all,
+            except a model with convolutions on a CPU, whose clients then train one at a time
+            (vectorized.group_size says why).
     """
 
     def __init__(self, eval_local_models: bool = True, local_eval_samples: int = 1000,
                  on_divergence: Literal["stop", "skip_client"] = "stop", collapse_rounds: int = 5,
                  on_collapse: Literal["mark", "stop"] = "mark", client_cache_size: int = 0,
                  parallel: Literal["clients", "batch"] = "clients", collective_timeout: float = 1800.0,
-                 engine: Literal["sequential", "vectorized"] = "sequential", engine_group: int = 0):
+                 engine: Literal["sequential", "vectorized"] = "sequential", engine_group: int | None = None):
         super().__init__()
         if engine not in vectorized.ENGINES:
             raise FLUserError(f"federation.engine must be one of {', '.join(vectorized.ENGINES)}, got '{engine}'")
-        if engine_group < 0:
-            raise FLUserError(f"federation.engine_group must be >= 0 (0 = all of a round's clients), "
+        if engine_group is not None and engine_group < 0:
+            raise FLUserError(f"--federation.engine_group must be >= 0 (0 = all of a round's clients), "
                               f"got {engine_group}")
         if client_cache_size < 0:
             raise FLUserError(f"--federation.client_cache_size must be >= 0 (0 = all in memory), got "
@@ -197,7 +200,12 @@ class FederatedCallback(L.Callback):
             reason = vectorized.refusal(trainer, pl_module)
             if reason is not None:
                 raise FLUserError(reason)
-            engine = vectorized.VectorizedEngine(self.engine_group)
+            group = vectorized.group_size(self.engine_group, trainer, pl_module)
+            if group == 1:  # a client alone: the sequential engine's step is the vectorised one's
+                if self.engine_group is None:
+                    rank_zero_info(vectorized.ONE_AT_A_TIME.format(model=pl_module.hparams.get("model", "?")))
+            else:
+                engine = vectorized.VectorizedEngine(group)
         pl_module.steps.engine = engine
 
     def on_fit_start(self, trainer: L.Trainer, pl_module) -> None:

@@ -383,6 +383,29 @@ def _results(params: dict[str, torch.Tensor], batches, count: int, records: list
     return results
 
 
+# ---- how many clients train together ------------------------------------------------------------
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+ONE_AT_A_TIME = ("--federation.engine vectorized: the clients of model '{model}' train one at a time on a CPU, "
+                 "where its convolutions stacked over clients run slower than each client's own; "
+                 "--federation.engine_group N stacks N of them")
+
+
+def group_size(requested: int | None, trainer: L.Trainer, method) -> int:
+    """The clients trained together at most (0: all of a round's; 1: each alone, with the
+    sequential engine's step). `requested` (`--federation.engine_group`) when given; else all,
+    except for a model with convolutions on a CPU: there `vmap` makes a convolution over stacked
+    clients a grouped convolution, which CPU kernels run slower than the clients' own, and the
+    stacked activations leave the caches that one client's fit in (benchmarks/vectorized_engine.py
+    measures both), so its clients train one at a time. On a GPU the stacked step fills the device
+    that one small client leaves idle."""
+    if requested is not None:
+        return requested
+    on_cpu = trainer.strategy.root_device.type == "cpu"
+    if on_cpu and any(isinstance(m, CONVOLUTIONS) for m in method.model.modules()):
+        return 1
+    return 0
+
+
 # ---- the engine inside a fit ----------------------------------------------------------------------
 class VectorizedEngine:
     """Trains a round's clients (this process's) in groups of at most `group_size` (0: all of the

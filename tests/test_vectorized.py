@@ -113,6 +113,43 @@ def test_clients_trained_in_groups_equal_sequential():
     assert_close_runs(run(FedProx, "sequential", mu=0.5), run(FedProx, "vectorized", group=3, mu=0.5))
 
 
+def test_a_convolutional_model_stacked_over_clients_equals_sequential():
+    """The FedAvg CNN in the run's layout (channels-last on a CPU), its clients stacked on request
+    (`engine_group 0`): vmap's grouped convolutions give the sequential engine's results."""
+    sequential = run(FedAvg, "sequential", model="fedavg_cnn")
+    stacked = run(FedAvg, "vectorized", model="fedavg_cnn", group=0)
+    assert sequential[0].model.body[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert_close_runs(sequential, stacked)
+    assert not all(torch.equal(v, stacked[0].model.state_dict()[k])
+                   for k, v in sequential[0].model.state_dict().items())  # stacked: not the same kernels
+
+
+def test_by_default_a_convolutional_models_clients_train_one_at_a_time_on_a_cpu(caplog):
+    """Without `engine_group`, a model with convolutions on a CPU trains its clients one after the
+    other with the sequential engine's step (its stacked convolutions are slower there): the
+    sequential run's weights to the bit, and one line that says so."""
+    sequential, _ = run(FedAvg, "sequential", model="fedavg_cnn")
+    with caplog.at_level("INFO"):
+        alone, _ = run(FedAvg, "vectorized", model="fedavg_cnn", group=None)
+    assert_same_tensors(alone.model.state_dict(), sequential.model.state_dict())
+    assert "the clients of model 'fedavg_cnn' train one at a time on a CPU" in caplog.text
+    stacked, _ = run(FedAvg, "vectorized", model="mlp", group=None)  # no convolution: stacked
+    reference, _ = run(FedAvg, "sequential", model="mlp")
+    assert not all(torch.equal(v, stacked.model.state_dict()[k]) for k, v in reference.model.state_dict().items())
+
+
+def test_batches_made_by_the_data_module_or_listed_per_client_train_alike(monkeypatch):
+    """The stacked batches a step gathers at once from its clients' sample indices
+    (`FederatedDataModule.samples`) are the clients' own mini-batches: the same run, to the bit,
+    as with each client's batches from `minibatches` stacked (the path of augmented data)."""
+    from fl_lightning.data.datamodule import FederatedDataModule
+
+    gathered, _ = run(FedProx, "vectorized", mu=0.5)
+    monkeypatch.setattr(FederatedDataModule, "samples_from_indices", property(lambda self: False))
+    listed, _ = run(FedProx, "vectorized", mu=0.5)
+    assert_same_tensors(gathered.model.state_dict(), listed.model.state_dict())
+
+
 def test_stacked_sgd_is_torch_sgd():
     """Each row of the stacked update is torch.optim.SGD's step for that client (momentum from a
     zero buffer, coupled weight decay), over several steps with different gradients per row."""
