@@ -272,6 +272,7 @@ class _Stacks:
         start = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.params = {n: p.detach().unsqueeze(0).repeat(count, *([1] * p.dim())) for n, p in start.items()}
         self.buffers = {n: torch.zeros_like(p) for n, p in self.params.items()} if momentum != 0 else None
+        self.laid_out = False  # whether the stacks took their gradients' memory order (_take_layouts)
 
     def step(self, rows: list[int], step_fn, x, y, settings: tuple[float, float, float]) -> dict[str, torch.Tensor]:
         """One local step of the clients `rows` on (x, y); returns the step's logs."""
@@ -279,6 +280,8 @@ class _Stacks:
             params = {n: p[: len(rows)] for n, p in self.params.items()}
             buffers = None if self.buffers is None else {n: b[: len(rows)] for n, b in self.buffers.items()}
             grads, logs = step_fn(params, x, y)
+            if not self.laid_out and self._take_layouts(grads):  # at the first step: the views anew
+                return self._update(rows, grads, settings, logs)
             sgd_update(params, grads, buffers, *settings)
             return logs
         index = torch.as_tensor(rows, device=x.device)
@@ -291,6 +294,29 @@ class _Stacks:
             if buffers is not None:
                 self.buffers[n].index_copy_(0, index, buffers[n])
         return logs
+
+    def _update(self, rows: list[int], grads, settings, logs):
+        params = {n: p[: len(rows)] for n, p in self.params.items()}
+        buffers = None if self.buffers is None else {n: b[: len(rows)] for n, b in self.buffers.items()}
+        sgd_update(params, grads, buffers, *settings)
+        return logs
+
+    def _take_layouts(self, grads: dict[str, torch.Tensor]) -> bool:
+        """Store each stacked parameter (and its momentum buffer) in the memory order of its
+        gradient, which a batched matrix product returns transposed: the update's element-wise
+        operations then walk all their tensors in one order. True when something was moved."""
+        self.laid_out, moved = True, False
+        for n, g in grads.items():
+            p = self.params[n]
+            order = sorted(range(g.dim()), key=lambda d: -g.stride(d))
+            if g.dim() < 2 or order == list(range(g.dim())) or order[0] != 0:
+                continue
+            inverse = sorted(range(g.dim()), key=order.__getitem__)
+            self.params[n] = p.permute(order).contiguous().permute(inverse)
+            if self.buffers is not None:
+                self.buffers[n] = self.buffers[n].permute(order).contiguous().permute(inverse)
+            moved = True
+        return moved
 
 
 def train_together(method, batches: ListedBatches | IndexedBatches) -> list[ClientResult]:
