@@ -14,7 +14,7 @@ dropped as warm-up; the script prints the median round of each engine and their 
 apart the two engines' final weights are.
 
     taskset -c 1 python benchmarks/vectorized_engine.py [--rounds 4] [--repeats 3]
-        [--models mlp fedavg_cnn] [--settings equal demo] [--methods fedavg fedsol]
+        [--models mlp fedavg_cnn] [--settings equal demo] [--methods fedavg fedsol] [--group N]
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ class RoundTimer(L.Callback):
             self.times.append(time.process_time() - self._start)
 
 
-def run(engine: str, setting: str, model: str, method: str, rounds: int, group: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
+def run(engine: str, setting: str, model: str, method: str, rounds: int,
+        group: int | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     dm = FederatedDataModule(**SETTINGS[setting])
     cls, kw = METHODS[method]
@@ -64,7 +65,8 @@ def run(engine: str, setting: str, model: str, method: str, rounds: int, group: 
     trainer = L.Trainer(max_epochs=rounds, reload_dataloaders_every_n_epochs=1, num_sanity_val_steps=0,
                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, accelerator="cpu", devices=1,
-                        callbacks=[FederatedCallback(eval_local_models=False, engine=engine, engine_group=group), timer])
+                        callbacks=[FederatedCallback(eval_local_models=False, engine=engine, engine_group=group),
+                                   timer])
     trainer.fit(module, dm)
     return timer.times[1:], {k: v.detach().clone() for k, v in module.model.state_dict().items()}
 
@@ -77,6 +79,9 @@ def main():
     parser.add_argument("--methods", nargs="+", default=["fedavg"], choices=list(METHODS))
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--group", type=int, default=None,
+                        help="--federation.engine_group (default: not given, the engine's choice: all of "
+                             "the round's clients, one at a time for a convolutional model on a CPU)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, {args.rounds} rounds x "
@@ -84,20 +89,22 @@ def main():
     for setting in args.settings:
         for model in args.models:
             for method in args.methods:
-                compare(setting, model, method, args.rounds, args.repeats)
+                compare(setting, model, method, args.rounds, args.repeats, args.group)
 
 
-def compare(setting: str, model: str, method: str, rounds: int, repeats: int) -> None:
+def compare(setting: str, model: str, method: str, rounds: int, repeats: int, group: int | None) -> None:
     times: dict[str, list[float]] = {"sequential": [], "vectorized": []}
     final = {}
     for _ in range(repeats):
         for engine in times:
-            measured, final[engine] = run(engine, setting, model, method, rounds)
+            measured, final[engine] = run(engine, setting, model, method, rounds, group)
             times[engine] += measured
     seq, vec = (statistics.median(times[e]) for e in times)
     diff = max(float((final["sequential"][k] - final["vectorized"][k]).abs().max()) for k in final["sequential"])
-    print(f"{setting:6s} {model:11s} {method:7s} sequential {seq * 1e3:8.1f} ms/round  vectorized {vec * 1e3:8.1f} "
-          f"ms/round  sequential/vectorized {seq / vec:5.2f}x  max |w_seq - w_vec| {diff:.1e}")
+    label = "" if group is None else f" group {group}"
+    print(f"{setting:6s} {model:11s} {method:7s}{label} sequential {seq * 1e3:8.1f} ms/round  "
+          f"vectorized {vec * 1e3:8.1f} ms/round  sequential/vectorized {seq / vec:5.2f}x  "
+          f"max |w_seq - w_vec| {diff:.1e}")
 
 
 if __name__ == "__main__":
