@@ -91,6 +91,17 @@ def test_one_two_and_three_processes_train_the_same_models(tmp_path):
     assert all(exact), "within tolerance, but no longer bit-identical on CPU"
 
 
+def test_the_vectorised_engine_on_two_processes_trains_the_models_of_one_sequential_process(tmp_path):
+    """FedSOL with `--federation.engine vectorized` on 2 gloo processes: each process trains its
+    share of the round's clients stacked (3 and 2 of them), and the model, client states and
+    logged metrics equal one process with the sequential engine, to float32 rounding."""
+    methods = ["FedSOL"]
+    launch(tmp_path / "sequential", methods, 1)
+    launch(tmp_path / "vectorized", methods, 2, "--federation.engine", "vectorized")
+    for method in methods:
+        assert_same_run(tmp_path / "sequential" / method, tmp_path / "vectorized" / method, [])
+
+
 @pytest.mark.parametrize("first,second", [(2, 1), (1, 2)])
 def test_resume_on_a_different_number_of_processes_equals_the_uninterrupted_run(tmp_path, first, second):
     """SCAFFOLD (per-client control variates in the client-state store): 2 rounds on `first`

@@ -35,6 +35,10 @@ METHODS = {
     "scaffold": ["--config", str(REPO / "configs/settings/fedsol_cifar10.yaml"), "--config",
                  str(REPO / "configs/methods/fedsol/scaffold.yaml"), "--model.init_args.model", "mlp",
                  "--data.augment", "false", *TINY],
+    # the vectorised engine: a round's clients trained together, killed inside that step
+    "fedsol_vectorized": ["--config", str(REPO / "configs/settings/mnist5k.yaml"), "--config",
+                          str(REPO / "configs/methods/fedsol/fedsol.yaml"), "--model.init_args.model", "mlp",
+                          "--federation.engine", "vectorized", *TINY],
     # server state of a server optimizer (FedAdam's m and v) and personal BatchNorm layers (FedBN)
     "fedadam": ["--config", str(REPO / "configs/settings/mnist5k.yaml"), "--model", "FedAdam",
                 "--model.init_args.model", "mlp", *TINY],
@@ -115,7 +119,8 @@ def straight_runs(tmp_path_factory):
     return {m: base / m for m in METHODS}
 
 
-@pytest.mark.parametrize(("method", "where"), [("fedsol", "train"), ("scaffold", "train"), ("fedproto", "train"),
+@pytest.mark.parametrize(("method", "where"), [("fedsol", "train"), ("fedsol_vectorized", "train"),
+                                               ("scaffold", "train"), ("fedproto", "train"),
                                                ("fedsol", "eval"), ("fedsol", "write"), ("fedadam", "train"),
                                                ("fedavgm", "train"), ("fedyogi", "train"), ("fedadagrad", "train"),
                                                ("fedbn", "write")])
