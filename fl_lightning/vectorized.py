@@ -28,9 +28,11 @@ another order), not to the bit.
 
 What the engine cannot do is refused when the fit is set up, in one line naming the sequential
 engine (`refusal`): methods that do not declare `vectorized = True` (or that override a hook the
-engine bypasses), models with BatchNorm statistics or dropout, precision other than 32-true and
-64-true, gradient clipping, FedCONST constraints, several processes sharing a client's batches
-(`--federation.parallel batch`), and callbacks listening to per-step hooks.
+engine bypasses), models with BatchNorm statistics or dropout, precision other than 32-true,
+64-true and mixed precision without loss scaling (bf16-mixed, whose forward passes run under the
+step's autocast as in the sequential engine), gradient clipping, FedCONST constraints, several
+processes sharing a client's batches (`--federation.parallel batch`), and callbacks listening to
+per-step hooks.
 """
 
 from __future__ import annotations
@@ -41,11 +43,12 @@ from dataclasses import dataclass, field
 import lightning as L
 import numpy as np
 import torch
-from lightning.pytorch.plugins.precision import DoublePrecision, Precision
+from lightning.pytorch.plugins.precision import DoublePrecision, MixedPrecision, Precision
 from torch import nn
 from torch.func import functional_call, grad_and_value, vmap
 
 from fl_lightning import compat
+from fl_lightning.loss_scaling import scaler_of
 from fl_lightning.methods.local_step import per_step_listeners
 from fl_lightning.parallel import clients_in_parallel
 
@@ -119,9 +122,14 @@ def _model_refusal(trainer, method) -> str | None:
 
 
 def _trainer_refusal(trainer, method) -> str | None:
-    if type(trainer.precision_plugin) not in (Precision, DoublePrecision):
-        return "runs in 32-true or 64-true precision only (not --trainer.precision " \
+    plugin = trainer.precision_plugin
+    if type(plugin) not in (Precision, DoublePrecision, MixedPrecision):
+        return "runs in 32-true, 64-true and bf16-mixed precision only (not --trainer.precision " \
                f"{getattr(trainer, 'precision', '?')})"
+    if scaler_of(trainer) is not None:
+        return (f"does not scale losses (--trainer.precision {getattr(trainer, 'precision', '?')}): the loss scale "
+                "carries over from one client's steps to the next client's, which clients trained together cannot "
+                "reproduce; bf16-mixed needs no scaling")
     if float(getattr(trainer, "local_gradient_clip_val", 0.0) or 0.0) > 0:
         return "does not clip gradients (--trainer.gradient_clip_val)"
     if trainer.world_size > 1 and not clients_in_parallel(trainer):
