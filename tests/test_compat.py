@@ -111,10 +111,10 @@ def test_wandb_init_kwargs_reach_the_run_and_the_run_is_created_lazily(tmp_path,
     logger = FLWandbLogger(offline=True, save_dir=str(tmp_path), name="compat")
     assert not compat.wandb_run_created(logger)
     compat.wandb_init_kwargs(logger)["group"] = "g"
-    run = logger.experiment
+    run = logger.experiment  # started in the background; a use of it waits for the start
     try:
-        assert compat.wandb_run_created(logger)
         assert run.group == "g"
+        assert compat.wandb_run_created(logger)
     finally:
         import wandb
 
