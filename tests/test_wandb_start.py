@@ -73,4 +73,4 @@ def test_a_wandb_run_that_fails_to_start_ends_the_fit_in_one_line(tmp_path):
     assert proc.returncode == EXIT_LOST, proc.stderr[-3000:]
     assert_one_line(proc.stderr, rf"error: the disk refused a write \(No space left on device: "
                                  rf"{root / 'wandb'}\).*")
-    assert "round 2 starts" not in proc.stdout  # it ends the fit at the W&B run's first use
+    assert "round 2 starts" not in proc.stdout  # at the W&B run's first use at the latest
