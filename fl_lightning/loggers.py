@@ -92,6 +92,14 @@ class FLWandbLogger(WandbLogger):
             compat.set_wandb_run(self, self._starting.result())
         return super().experiment
 
+    @property
+    def version(self) -> str | None:
+        """The W&B run's id (Lightning's, e.g. a ModelCheckpoint's folder): once a start is under way,
+        the started run's, as when the run was created before the fit's first round."""
+        if self._starting is not None:
+            self.started_run()
+        return super().version
+
     def _start_failed(self) -> bool:
         """The W&B run's start (waited for) raised an error."""
         if self._starting is None:

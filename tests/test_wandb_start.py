@@ -74,3 +74,29 @@ def test_a_wandb_run_that_fails_to_start_ends_the_fit_in_one_line(tmp_path):
     assert_one_line(proc.stderr, rf"error: the disk refused a write \(No space left on device: "
                                  rf"{root / 'wandb'}\).*")
     assert "round 2 starts" not in proc.stdout  # at the W&B run's first use at the latest
+
+
+def test_the_loggers_version_is_the_started_runs_id(tmp_path, monkeypatch):
+    """Lightning names a ModelCheckpoint's default folder after the logger's version, the W&B run's
+    id: it is the run's id also while the run is still starting (not the None of no run)."""
+    import time
+
+    import wandb
+
+    from fl_lightning.loggers import FLWandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    real_init = wandb.init
+
+    def slow_init(*args, **kwargs):
+        time.sleep(1)
+        return real_init(*args, **kwargs)
+
+    monkeypatch.setattr(wandb, "init", slow_init)
+    logger = FLWandbLogger(offline=True, save_dir=str(tmp_path), name="version")
+    logger.experiment  # noqa: B018 - as Lightning's set-up asks for it, to have it created
+    try:
+        version = logger.version
+        assert version is not None and version == wandb.run.id
+    finally:
+        wandb.finish()
