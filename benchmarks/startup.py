@@ -15,10 +15,17 @@ matplotlib; imported by the launcher one after the other so that each is a stage
 whatever imports it first in a run), the CLI's parsing (jsonargparse reads the chosen
 classes' signatures and checks every value's type), building the data module, method and Trainer,
 loading and partitioning the data, the W&B run's start (offline), the partition the analyses log at
-fit start (what of it the fit waits for: its picture is drawn in a thread while round 1 starts), and
-Lightning's set-up up to the round. A stage's time is its own: stages inside another are subtracted from it.
-Each stage is also given in CPU seconds (the process's, all its threads): on a machine shared with
-other work the wall-clock seconds grow with the load, the CPU seconds much less.
+fit start, and Lightning's set-up up to the round. The W&B run and the partition picture are made in
+threads of their own while round 1 starts: their stages are what the fit waits for before the round,
+and what their threads do meanwhile slows the stages it overlaps (on one core, it shares it). W&B's
+import stays on the path: the CLI's parsing needs it (jsonargparse reads `wandb.init`'s signature
+to offer the W&B logger's options). A stage's time is its own: stages inside another are subtracted
+from it. Each stage is also given in CPU seconds (the process's, all its threads): on a machine
+shared with other work the wall-clock seconds grow with the load, the CPU seconds much less.
+
+fl-lightning's modules are byte-compiled first (into their `__pycache__`), as `pip install` does and
+as Python does at a checkout's first run: where bytecode may not be written (PYTHONDONTWRITEBYTECODE)
+and none is cached, every start would compile them from source, which a user's start does not do.
 
     taskset -c 1 env PYTHONPATH=. python benchmarks/startup.py [--repeats 5] [-- extra fit options]
 """
@@ -26,6 +33,7 @@ other work the wall-clock seconds grow with the load, the CPU seconds much less.
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import statistics
@@ -137,6 +145,8 @@ def main() -> None:
     parser.add_argument("extra", nargs="*", help="more fit options (after --)")
     args = parser.parse_args()
     env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    if not compileall.compile_dir(REPO / "fl_lightning", quiet=1):
+        raise RuntimeError("fl_lightning's modules could not be byte-compiled")
     lightning_only = [sys.executable, "-c",
                       "import time, lightning.pytorch; print('imported', time.process_time(), flush=True)"]
     imports, fits, stages, cpu_stages, import_cpu, fit_cpu = [], [], [], [], [], []

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ class FLWandbLogger(WandbLogger):
         self.checkpoint_round: int | None = None
         # a resumed fit: the first step its W&B run does not hold yet (the parts before logged the rest)
         self.first_step = 0
+        self._starting: Future | None = None  # the W&B run's start, in a thread of its own (start_run)
 
     def describe_run(self, config: Mapping[str, Any], group: str | None, tags: list[str]) -> None:
         """The run's W&B config, group and tags; called by the CLI before the run is created (W&B
@@ -54,26 +55,64 @@ class FLWandbLogger(WandbLogger):
 
     @property
     def experiment(self):
-        if not compat.wandb_run_created(self) and rank_zero_only.rank == 0:
-            # Created here rather than by Lightning, whose WandbLogger would make its own
-            # `trainer/global_step` the x-axis of every metric; here it is the round (1-based).
-            # Created on first use, not at construction: a start that fails leaves no directory.
-            import wandb
+        """The W&B run. Lightning asks for it while it sets the fit up, only so that it is created:
+        it is then started in a thread of its own (`start_run`) and a `StartingRun` stands for it,
+        so the first round does not wait for W&B; what uses the run waits for its start."""
+        if compat.wandb_run_created(self) or rank_zero_only.rank != 0:
+            return super().experiment
+        self.start_run()
+        return self.started_run() if self._starting.done() else StartingRun(self)
 
-            compat.skip_unstaged_wandb_launch_inputs()
-            compat.poll_wandb_service_often()
-            Path(self.save_dir).mkdir(parents=True, exist_ok=True)
-            moved = keep_wandb_dirs_writable(self.save_dir)
-            if moved:
-                rank_zero_info(moved)
-            if compat.wandb_offline(self):
-                os.environ["WANDB_MODE"] = "offline"
-            run = wandb.run if wandb.run is not None else wandb.init(**compat.wandb_init_kwargs(self))
-            compat.set_wandb_run(self, run)
-            if getattr(run, "define_metric", None) is not None:
-                run.define_metric("round")
-                run.define_metric("*", step_metric="round", step_sync=True)
+    def start_run(self) -> None:
+        """Starts the W&B run (rank 0, once): what the rest of the fit relies on at once is done here
+        (W&B's directories kept writable, before the first table is staged; the offline mode),
+        `wandb.init` in a thread of its own, whose error `started_run` raises where the run is used.
+        Created here rather than by Lightning, whose WandbLogger would make its own
+        `trainer/global_step` the x-axis of every metric; here it is the round (1-based). Created
+        on first use, not at construction: a start that fails leaves no directory."""
+        if self._starting is not None or compat.wandb_run_created(self) or rank_zero_only.rank != 0:
+            return
+        compat.skip_unstaged_wandb_launch_inputs()
+        compat.poll_wandb_service_often()
+        Path(self.save_dir).mkdir(parents=True, exist_ok=True)
+        moved = keep_wandb_dirs_writable(self.save_dir)
+        if moved:
+            rank_zero_info(moved)
+        if compat.wandb_offline(self):
+            os.environ["WANDB_MODE"] = "offline"
+        worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fl-lightning-wandb")
+        self._starting = worker.submit(_init_run, dict(compat.wandb_init_kwargs(self)))
+        worker.shutdown(wait=False)
+        _STARTING.add(self._starting)
+
+    def started_run(self):
+        """The W&B run once started: waits for its start, and raises what stopped it."""
+        if not compat.wandb_run_created(self) and rank_zero_only.rank == 0:
+            self.start_run()
+            compat.set_wandb_run(self, self._starting.result())
         return super().experiment
+
+    @property
+    def version(self) -> str | None:
+        """The W&B run's id (Lightning's, e.g. a ModelCheckpoint's folder): once a start is under way,
+        the started run's, as when the run was created before the fit's first round."""
+        if self._starting is not None:
+            self.started_run()
+        return super().version
+
+    def _start_failed(self) -> bool:
+        """The W&B run's start (waited for) raised an error."""
+        if self._starting is None:
+            return False
+        wait([self._starting])
+        return self._starting.exception() is not None
+
+    def __getstate__(self):
+        if self._starting is not None:
+            self.started_run()
+        state = super().__getstate__()
+        state.pop("_starting", None)  # the run's id and name are in the state: a copy does not start it again
+        return state
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         """Everything of a round goes into one W&B history row (metrics, media, tables), sent when
@@ -110,14 +149,18 @@ class FLWandbLogger(WandbLogger):
             # a value still being made in the background (a future) is waited for: the row keeps its place
             row = {k: v.result() if isinstance(v, Future) else v for k, v in row.items()}
             step = row.get("round")
-            run = self.experiment
+            run = self.started_run()
             if step is None:
                 run.log(row)
             elif int(step) >= max(self.first_step, getattr(run, "step", 0) or 0):
                 run.log(row, step=int(step))
 
     def finalize(self, status: str) -> None:
+        if status != "success" and self._start_failed():
+            return  # the run has its own error already; W&B's start failing is not the one to report
         self.flush_round()
+        if status == "success":
+            self.started_run()  # a run that sent no row yet still ends with its W&B start's error
         super().finalize(status)
 
     def log_hyperparams(self, params) -> None:
@@ -125,6 +168,40 @@ class FLWandbLogger(WandbLogger):
         # (a subset of it, plus internal keys such as `_instantiator`) would only duplicate it.
         if self._resolved_config is None:
             super().log_hyperparams(without_internal_keys(dict(params)))
+
+
+class StartingRun:
+    """Stands for a W&B run while it starts in the background (`FLWandbLogger.experiment`): any use
+    of it waits for the start, and is then the run's own."""
+
+    def __init__(self, logger: FLWandbLogger):
+        self._logger = logger
+
+    def __getattr__(self, name: str):
+        return getattr(self._logger.started_run(), name)
+
+
+_STARTING: set[Future] = set()  # the W&B runs' starts not known to be over (wait_for_wandb_starts)
+
+
+def _init_run(init: dict[str, Any]):
+    """The W&B run of `wandb.init(**init)` (the process's run, when one is open), its metrics
+    plotted against the round."""
+    import wandb
+
+    run = wandb.run if wandb.run is not None else wandb.init(**init)
+    if getattr(run, "define_metric", None) is not None:
+        run.define_metric("round")
+        run.define_metric("*", step_metric="round", step_sync=True)
+    return run
+
+
+def wait_for_wandb_starts() -> None:
+    """Waits for every W&B run's start still under way, so that the run it opened is the one closed
+    (`wandb.run`) and no start outlives the command. Their errors stay with their loggers, which
+    raise them where the run is used: a command that an error already ended keeps that error."""
+    wait(list(_STARTING))
+    _STARTING.clear()
 
 
 # W&B's directories outside the run's own: the staging folder of the tables it logs (WANDB_DATA_DIR)

@@ -111,9 +111,9 @@ class RoundProgressBar(TQDMProgressBar):
         return bar
 
     def get_metrics(self, trainer, pl_module):
-        metrics = super().get_metrics(trainer, pl_module)
-        metrics.pop("v_num", None)  # the W&B run id: not progress
-        return metrics
+        # Lightning's adds only `v_num`, the W&B run's id: not progress, and asking the logger for it
+        # would make the round wait for the W&B run's start (which runs beside it)
+        return dict(trainer.progress_bar_metrics)
 
     def on_train_start(self, trainer, *args) -> None:
         super().on_train_start(trainer, *args)

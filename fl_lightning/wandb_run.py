@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 from fl_lightning import compat
-from fl_lightning.loggers import FLWandbLogger, describe_wandb_run, offline_records
+from fl_lightning.loggers import FLWandbLogger, describe_wandb_run, offline_records, wait_for_wandb_starts
 from fl_lightning.outcome import DISK_ERRNOS
 
 __all__ = ["configure_wandb_logger", "continue_fit_wandb_run", "describe_wandb_run", "finish_wandb",
@@ -123,6 +123,7 @@ def sync_hint() -> str:
     online one, else "". The glob names every part of the run (a resumed fit's parts share its id),
     which `wandb sync` uploads into one run, in order of their start time; parts already uploaded
     are skipped (W&B marks them with a `.wandb.synced` file)."""
+    wait_for_wandb_starts()
     wandb = sys.modules.get("wandb")
     run = wandb.run if wandb is not None else None
     if run is None:
@@ -142,6 +143,7 @@ def finish_wandb(exit_code: int) -> OSError | None:
     last flush fails inside finish()), naming the W&B run's directory, instead of raising it:
     a run that an error already ended keeps that error as its outcome and its one line, and only
     a run that ended well makes the refusal its outcome (`FLCLI.after_fit`)."""
+    wait_for_wandb_starts()
     wandb = sys.modules.get("wandb")
     if wandb is None or wandb.run is None:
         return None

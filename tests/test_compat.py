@@ -111,10 +111,10 @@ def test_wandb_init_kwargs_reach_the_run_and_the_run_is_created_lazily(tmp_path,
     logger = FLWandbLogger(offline=True, save_dir=str(tmp_path), name="compat")
     assert not compat.wandb_run_created(logger)
     compat.wandb_init_kwargs(logger)["group"] = "g"
-    run = logger.experiment
+    run = logger.experiment  # started in the background; a use of it waits for the start
     try:
-        assert compat.wandb_run_created(logger)
         assert run.group == "g"
+        assert compat.wandb_run_created(logger)
     finally:
         import wandb
 
@@ -209,13 +209,13 @@ WANDB_LAUNCH_CHECK = r"""
 import os, sys
 from fl_lightning.loggers import FLWandbLogger
 logger = FLWandbLogger(offline=True, save_dir=sys.argv[1], name="launch")
-logger.experiment
+logger.started_run()
 print("launch imported by init:", "wandb.sdk.launch" in sys.modules)
 from wandb.sdk.launch.inputs.internal import StagedLaunchInputs
 from wandb.sdk.wandb_run import Run
 applied = []
 StagedLaunchInputs.apply = lambda self, run: applied.append(run)
-Run._detect_and_apply_job_inputs(logger.experiment)
+Run._detect_and_apply_job_inputs(logger.started_run())
 print("staged inputs applied:", len(applied))
 import wandb
 wandb.finish()
@@ -247,7 +247,7 @@ calls = []
 real = importlib.metadata.distributions
 importlib.metadata.distributions = lambda *a, **k: calls.append(1) or real(*a, **k)
 logger = FLWandbLogger(offline=True, save_dir=sys.argv[1], name="packages")
-logger.experiment
+logger.started_run()
 import wandb
 wandb.finish()
 listed = sorted(pathlib.Path(sys.argv[1]).glob("wandb/offline-run-*/files/requirements.txt"))[0].read_text().split()
