@@ -329,6 +329,21 @@ def _may_change_on_resume(key: str) -> bool:
     return any(key == option or key.startswith(option + ".") for option in RESUMABLE_OPTIONS)
 
 
+# An option newer than a run's config.yaml: the run ran as this value says (no engine but the
+# sequential one existed).
+BEFORE_THE_OPTION = {"federation.engine": "sequential"}
+# An option that only another option's choice reads: changing it changes nothing while neither the
+# run nor the request makes that choice (the clients trained together, with the sequential engine).
+READ_ONLY_WITH = {"federation.engine_group": ("federation.engine", "vectorized")}
+
+
+def _changes_results(key: str, saved: Mapping, requested: Mapping) -> bool:
+    if _may_change_on_resume(key) or saved.get(key) == requested.get(key):
+        return False
+    reader = READ_ONLY_WITH.get(key)
+    return reader is None or reader[1] in (saved.get(reader[0]), requested.get(reader[0]))
+
+
 def check_resume_options(path: str | Path, run_config: Path, requested_yaml: str) -> None:
     """Refuse a resume that changes an option which changes results (see `RESUMABLE_OPTIONS`):
     the run's config.yaml would otherwise be rewritten with the new value, and the record would no
@@ -342,8 +357,8 @@ def check_resume_options(path: str | Path, run_config: Path, requested_yaml: str
         raise FLUserError(f"--ckpt_path {path}: the run's {run_config} cannot be read ({type(err).__name__}); "
                           f"the resume is checked against it") from None
     requested = flatten_options(yaml.safe_load(requested_yaml) or {})
-    changed = [key for key in sorted(set(saved) | set(requested))
-               if not _may_change_on_resume(key) and saved.get(key) != requested.get(key)]
+    saved = {**{k: v for k, v in BEFORE_THE_OPTION.items() if k in requested}, **saved}
+    changed = [key for key in sorted(set(saved) | set(requested)) if _changes_results(key, saved, requested)]
     if changed:
         key = changed[0]
         more = f" (and {len(changed) - 1} more: {', '.join(changed[1:4])})" if len(changed) > 1 else ""
