@@ -77,10 +77,12 @@ def initial_weights() -> dict:
     """The initial global weights of the user's run (its seed, its model), from a one-round fit."""
     initial = _Initial()
     sys.stdout.flush()
-    shown = os.dup(1)
+    sys.stderr.flush()
+    shown = {fd: os.dup(fd) for fd in (1, 2)}
     with warnings.catch_warnings(), open(os.devnull, "w") as quiet:
         warnings.simplefilter("ignore")
-        os.dup2(quiet.fileno(), 1)  # the run's progress lines, whichever stream object writes them
+        for fd in shown:  # the run's progress lines, whichever stream object writes them
+            os.dup2(quiet.fileno(), fd)
         try:
             user_fit(1, _PairedRounds(initial))
         except SystemExit as stop:  # the command's own `error:` line went to the silenced stderr
@@ -89,8 +91,10 @@ def initial_weights() -> dict:
                                  "run it by hand to see why") from None
         finally:
             sys.__stdout__.flush()
-            os.dup2(shown, 1)
-            os.close(shown)
+            sys.__stderr__.flush()
+            for fd, saved in shown.items():
+                os.dup2(saved, fd)
+                os.close(saved)
     return initial.init
 
 
