@@ -46,7 +46,7 @@ import warnings
 
 import torch
 from peer_fedsol import SETTING, USER_RUN, _PairedRounds, describe_work, user_fit
-from peer_servers import FedAvgCNN
+from peer_servers import FedAvgCNN, flbench_modules
 
 from fl_lightning.data.datamodule import FederatedDataModule
 from fl_lightning.models import build_model
@@ -205,6 +205,12 @@ def main() -> None:
     if args.flbench and not os.path.isfile(os.path.join(args.flbench, "src", "server", "fedavg.py")):
         parser.error(f"--flbench {args.flbench}: no src/server/fedavg.py there; "
                      "clone https://github.com/KarhouTam/FL-bench and pass its directory")
+    if args.flbench:
+        try:
+            flbench_modules(args.flbench, args.deps)
+        except ImportError as error:
+            parser.error(f"FL-bench's modules need {error.name}, which is not installed: pip install --target DIR "
+                         "omegaconf hydra-core rich nvidia-ml-py, then pass --deps DIR")
     if args.rounds < 1 or args.repeats < 1:
         parser.error("--rounds and --repeats must be at least 1")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
