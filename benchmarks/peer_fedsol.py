@@ -45,15 +45,13 @@ import contextlib
 import logging
 import os
 import statistics
-import sys
 import tempfile
 import time
-import types
 import warnings
 
 import torch
 from core_overhead import MNIST, OPT, bare_trainer
-from torch.utils.data import DataLoader, TensorDataset
+from peer_servers import OfficialRounds, Work
 
 from fl_lightning.data.datamodule import FederatedDataModule
 from fl_lightning.federation import FederatedCallback
@@ -65,105 +63,36 @@ LR_DECAY = 0.99
 LOCAL_EVAL_SAMPLES = 300  # configs/settings/mnist5k.yaml's federation.local_eval_samples
 USER_RUN = ["fit", "--config", "configs/settings/mnist5k.yaml"]
 # FedSOL on both sides (module docstring): the project's defaults with the official code's
-# normalisation of the adaptive radius, and the official client's switches that mean the same.
+# normalisation of the adaptive radius, and the official client's switches that mean the same
+# (peer_servers.OFFICIAL_PARAMS: rho 2.0, only the head perturbed).
 FEDSOL = dict(proximal="kl", temperature=3.0, rho=2.0, adaptive="dim0", perturb="head")
 USER_METHOD = {"fedavg": [], "fedsol": ["--config", "configs/methods/fedsol/fedsol.yaml",
                                         "--model.init_args.adaptive", FEDSOL["adaptive"]]}
-OFFICIAL_PARAMS = {"fedavg": {}, "fedsol": {"rho": FEDSOL["rho"], "perturb_head": True, "perturb_body": False}}
-OFFICIAL_SERVER = {"fedavg": "algorithms.fedavg", "fedsol": "algorithms.fedsol_adaptive"}
 TARGET = {"fedavg": 1.00, "fedsol": 0.70}
 HEADER = {"fedavg": "FedAvg CNN",
           "fedsol": "FedSOL (KL, T 3, rho 2.0, adaptive dim0, head perturbed) with the FedAvg CNN"}
 
 
-class _AlgoParams(dict):
-    """The official code's configuration object: its servers read `params["rho"]`, its clients
-    `params.perturb_head`."""
+def describe_work(rounds: int, init: dict | None = None, lr_decay: float = LR_DECAY) -> Work:
+    """The demo setting's first `rounds` rounds (module docstring) as a peer's server takes them:
+    the project's digits, partition, round plans and 300 local-evaluation digits; `init` the
+    initial global weights, when the peer is not started from the project's model."""
+    dm = FederatedDataModule(**SETTING)
+    dm.setup()
+    train, test = dm.train_set.tensors(), dm.test_set.tensors()
+    subset = dm.global_test_subset_loader(LOCAL_EVAL_SAMPLES).dataset.indices  # the project's 300 digits
+    plans = [[{"client": w.client, "batch_size": w.batch_size, "orders": [torch.as_tensor(o) for o in w.orders]}
+              for w in dm.plan_round(r).clients] for r in range(rounds)]
+    return Work(train.images, train.labels, test.images, test.labels,
+                [torch.as_tensor(dm.client_parts[c]) for c in range(SETTING["num_clients"])],
+                torch.as_tensor(subset), plans, dict(init or {}), dm.spec.num_classes, SETTING["sample_ratio"],
+                SETTING["local_epochs"], dm.hparams.eval_batch_size, lr_decay=lr_decay, **OPT)
 
-    def __getattr__(self, key):
-        return self[key]
 
-
-class OfficialRounds:
-    """The official FedSOL code's FedAvg or FedSOL (adaptive) server on the same work (module
-    docstring), one round a call: its `run` loop body, step by step (client sampling, client
-    training, aggregation, global evaluation, its results and log calls, the scheduler step)."""
-
-    def __init__(self, checkout: str, method: str = "fedavg"):
-        if checkout not in sys.path:
-            sys.path.insert(0, checkout)
-        import importlib
-
-        import algorithms.BaseServer as base_server
-        from algorithms.measures import evaluate_model_on_loaders
-
-        Server = importlib.import_module(OFFICIAL_SERVER[method]).Server
-
-        base_server.wandb = types.SimpleNamespace(log=lambda *args, **kwargs: None)  # W&B disabled
-        self.evaluate = evaluate_model_on_loaders
-        self.dm = dm = FederatedDataModule(**SETTING)
-        dm.setup()
-        train, test = dm.train_set.tensors(), dm.test_set.tensors()
-        self.train_set = TensorDataset(train.images, train.labels)
-        eval_batch = dm.hparams.eval_batch_size
-        subset = dm.global_test_subset_loader(LOCAL_EVAL_SAMPLES).dataset.indices  # the project's 300 digits
-        self.local_test = DataLoader(TensorDataset(test.images[subset], test.labels[subset]), batch_size=eval_batch)
-        model = build_model("fedavg_cnn", dm.spec)
-        optimizer = torch.optim.SGD(model.parameters(), **OPT)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=LR_DECAY)
-        clients = range(SETTING["num_clients"])
-        self.data = {"num_classes": dm.spec.num_classes,
-                     "global": {"test": DataLoader(TensorDataset(test.images, test.labels), batch_size=eval_batch)},
-                     "partition_map": {c: dm.client_parts[c] for c in clients},
-                     "local_sizes": {c: len(dm.client_parts[c]) for c in clients},
-                     "local": {c: {"train": None, "test": self.local_test} for c in clients}}
-        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-            self.server = Server(_AlgoParams(OFFICIAL_PARAMS[method]), model, self.data, optimizer, scheduler,
-                                 n_rounds=10**6, sample_ratio=SETTING["sample_ratio"],
-                                 local_epochs=SETTING["local_epochs"], device="cpu")
-        self.plan: dict = {}
-        self.server._client_sampling = self._client_sampling
-        self.server._set_client_data = self._set_client_data
-        self.server.client._get_local_stats = self._local_stats
-
-    def _client_sampling(self, round_idx: int) -> list[int]:  # the project's clients
-        self.plan = {w.client: w for w in self.dm.plan_round(round_idx).clients}
-        return list(self.plan)
-
-    def _set_client_data(self, client_idx: int) -> None:
-        client = self.server.client
-        client.datasize = self.data["local_sizes"][client_idx]
-        client.local_loaders = {"train": DataLoader(self.train_set, batch_sampler=_EpochBatches(self.plan[client_idx])),
-                                "test": self.local_test}
-
-    def _local_stats(self) -> dict:  # the local model on the 300 test digits only
-        return self.evaluate(self.server.client.model, {"test": self.local_test}, "cpu", "Local")
-
-    def start(self, init: dict) -> None:
-        self.server.server_model.load_state_dict(init)
-
-    def global_state(self) -> dict:
-        return self.server.server_model.state_dict()
-
-    def run_round(self, round_idx: int) -> float:
-        """CPU seconds of round `round_idx` (its first round's initial evaluation excluded, as the
-        official code times its rounds)."""
-        s = self.server
-        with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
-            if round_idx == 0:
-                s.server_results = s._results_updater(s.server_results, self.evaluate(s.server_model, s.global_loaders,
-                                                                                     s.device))
-            started = time.process_time()
-            sampled = s._client_sampling(round_idx)
-            s.server_results = s._results_updater(s.server_results, {"client_history": sampled})
-            weights, sizes, local_results = s._clients_training(sampled)
-            s.server_model.load_state_dict(s._aggregation(weights, sizes))
-            global_results = self.evaluate(s.server_model, s.global_loaders, s.device, "Global")
-            s.server_results = s._results_updater(s.server_results, global_results)
-            s._print_stats_with_logging(global_results, round_idx)
-            s._print_stats_with_logging(local_results, round_idx)
-            s.scheduler.step()
-            return time.process_time() - started
+def official_rounds(checkout: str, method: str, rounds: int) -> OfficialRounds:
+    """The official server on the demo setting's first `rounds` rounds, with the project's model."""
+    work = describe_work(rounds)
+    return OfficialRounds(checkout, method, work, build_model("fedavg_cnn", FederatedDataModule(**SETTING).spec))
 
 
 class _PairedRounds:
@@ -239,24 +168,6 @@ def bare_fit(rounds: int, clock: _PairedRounds, lr_decay: float = LR_DECAY, eval
         trainer.fit(module, dm)
 
 
-class _EpochBatches:
-    """A batch sampler that gives a client's round-plan batches one local epoch per iteration,
-    as the official client iterates its train loader once per local epoch."""
-
-    def __init__(self, work):
-        self.epochs = [[order[s : s + work.batch_size].tolist() for s in range(0, len(order), work.batch_size)]
-                       for order in work.orders]
-        self.epoch = 0
-
-    def __iter__(self):
-        batches = self.epochs[self.epoch]
-        self.epoch += 1
-        return iter(batches)
-
-    def __len__(self):
-        return len(self.epochs[self.epoch])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkout", required=True, help="a checkout of github.com/Lee-Gihun/FedSOL")
@@ -274,7 +185,7 @@ def main() -> None:
     diff = {"user": 0.0, "bare": 0.0}
     for _ in range(args.repeats):
         for side, fit in (("user", user_fit), ("bare", bare_fit)):
-            clock = _PairedRounds(OfficialRounds(args.checkout, args.method))
+            clock = _PairedRounds(official_rounds(args.checkout, args.method, args.rounds))
             fit(args.rounds, clock, method=args.method)
             project[side] += clock.project[1:]
             official[side] += clock.theirs[1:]

@@ -28,137 +28,18 @@ training, aggregation, centralized test, metrics display); the first round of a 
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import logging
 import os
 import statistics
-import sys
-import time
-import types
 import warnings
 
-import numpy as np
 import torch
-from peer_fedsol import OPT, SETTING, _EpochBatches, _PairedRounds, bare_fit
-from torch.utils.data import DataLoader, TensorDataset
+from peer_fedsol import SETTING, _PairedRounds, bare_fit, describe_work
+from peer_servers import FLbenchRounds, flbench_modules
 
 from fl_lightning.data.datamodule import FederatedDataModule
 from fl_lightning.models import build_model
-
-
-class _Digits(TensorDataset):
-    """Training then test digits as one tensor dataset, as FL-bench's MNIST holds them, with the
-    train()/eval() switches its clients and server call (no transforms to switch)."""
-
-    def train(self) -> None:
-        pass
-
-    def eval(self) -> None:
-        pass
-
-
-def flbench_modules(checkout: str, deps: str | None):
-    """FL-bench's modules this harness uses (OmegaConf, FedAvgServer, initialize_data_loaders), with
-    the checkout first on the path and `deps` last."""
-    if checkout not in sys.path:
-        sys.path.insert(0, checkout)
-    if deps and deps not in sys.path:
-        sys.path.append(deps)  # after this project's packages: only what they lack comes from there
-    try:
-        import ray  # noqa: F401
-    except ImportError:  # imported by FL-bench's trainer for its parallel mode only
-        ray = types.ModuleType("ray")
-        ray.actor = types.ModuleType("ray.actor")
-        ray.actor.ActorHandle = object
-        sys.modules["ray"], sys.modules["ray.actor"] = ray, ray.actor
-    from omegaconf import OmegaConf
-    from src.server.fedavg import FedAvgServer
-    from src.utils.functional import initialize_data_loaders
-
-    return OmegaConf, FedAvgServer, initialize_data_loaders
-
-
-class FLbenchRounds:
-    """FL-bench's FedAvg server in its serial mode on the same work (module docstring), one round
-    a call. Its server is built without its `__init__` (which needs Hydra's run directory and the
-    dataset files FL-bench's generate_data.py writes); the attributes set here are those
-    `__init__` sets for this configuration, and the round runs FL-bench's own methods."""
-
-    def __init__(self, checkout: str, deps: str | None):
-        OmegaConf, FedAvgServer, initialize_data_loaders = flbench_modules(checkout, deps)
-        args = OmegaConf.load(os.path.join(checkout, "config", "defaults.yaml"))
-        OmegaConf.update(args, "dataset.name", "mnist")
-        for key, value in {"optimizer.lr": OPT["lr"], "optimizer.momentum": OPT["momentum"],
-                           "optimizer.weight_decay": OPT["weight_decay"], "lr_scheduler.name": None,
-                           "mode": "serial", "common.join_ratio": SETTING["sample_ratio"],
-                           "common.batch_size": SETTING["batch_size"], "common.local_epoch": SETTING["local_epochs"],
-                           "common.use_cuda": False, "common.client_side_evaluation": False,
-                           "common.reset_optimizer_on_global_epoch": True, "common.buffers": "global",
-                           "common.test.client.interval": 0, "common.test.client.test": False,
-                           "common.test.server.interval": 1, "common.test.server.test": True,
-                           "common.verbose_gap": 10**6, "common.monitor": None, "common.save_log": False}.items():
-            OmegaConf.update(args, key, value)
-        self.dm = dm = FederatedDataModule(**SETTING)
-        dm.setup()
-        train, test = dm.train_set.tensors(), dm.test_set.tensors()
-        n_train, clients = len(train.labels), SETTING["num_clients"]
-        test_shares = np.array_split(np.arange(len(test.labels)) + n_train, clients)
-        model = build_model("fedavg_cnn", dm.spec)
-        model.device = torch.device("cpu")  # FL-bench's DecoupledModel attribute, read by its evaluate_model
-        server = FedAvgServer.__new__(FedAvgServer)
-        server.args, server.device, server.client_num = args, torch.device("cpu"), clients
-        server.train_clients = server.val_clients = server.test_clients = list(range(clients))
-        server.model = model
-        server.public_model_param_names = [n for n, _ in model.named_parameters()]
-        server.public_model_params = collections.OrderedDict((n, p.data.clone()) for n, p in model.named_parameters())
-        server.clients_personal_model_params = {i: {} for i in range(clients)}
-        server.client_optimizer_states = {i: {} for i in range(clients)}
-        server.client_lr_scheduler_states = {i: {} for i in range(clients)}
-        server.client_local_epoches = [SETTING["local_epochs"]] * clients
-        server.client_metrics = {i: {} for i in range(clients)}
-        server.aggregated_client_metrics = {stage: {"train": [], "val": [], "test": []}
-                                            for stage in ("before", "after")}
-        server.selected_clients, server.current_epoch, server.testing, server.verbose = [], 0, False, False
-        server.test_results = {}
-        server.dataset = _Digits(torch.cat([train.images, test.images]), torch.cat([train.labels, test.labels]))
-        server.client_data_indices = [{"train": dm.client_parts[c].tolist(), "val": [], "test": test_shares[c].tolist()}
-                                      for c in range(clients)]
-        server.init_trainer()
-        (server.trainloader, server.testloader, server.valloader,
-         server.trainset, server.testset, server.valset) = initialize_data_loaders(
-            server.dataset, server.client_data_indices, args.common.batch_size)
-        worker = server.trainer.worker
-        load_data_indices = worker.load_data_indices
-        self.plan: dict = {}
-
-        def own_batches():  # the client's round-plan batches instead of its shuffled loader
-            load_data_indices()
-            worker.trainloader = DataLoader(server.dataset, batch_sampler=_EpochBatches(self.plan[worker.client_id]))
-
-        worker.load_data_indices = own_batches
-        self.server = server
-
-    def start(self, init: dict) -> None:
-        self.server.public_model_params.update({k: v.clone() for k, v in init.items()})
-        self.server.model.load_state_dict(self.server.public_model_params, strict=False)
-
-    def global_state(self) -> dict:
-        return self.server.public_model_params
-
-    def run_round(self, round_idx: int) -> float:
-        """CPU seconds of FL-bench's round `round_idx` (the body of its `FedAvgServer.train`)."""
-        s = self.server
-        started = time.process_time()
-        s.current_epoch = round_idx
-        s.verbose = (round_idx + 1) % s.args.common.verbose_gap == 0
-        self.plan = {w.client: w for w in self.dm.plan_round(round_idx).clients}
-        s.selected_clients = list(self.plan)
-        s.train_one_round()
-        if s.args.common.test.server.interval > 0 and (round_idx + 1) % s.args.common.test.server.interval == 0:
-            s.test_global_model()
-        s.display_metrics()
-        return time.process_time() - started
 
 
 def main() -> None:
@@ -181,7 +62,9 @@ def main() -> None:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     project, theirs, diff = [], [], 0.0
     for _ in range(args.repeats):
-        clock = _PairedRounds(FLbenchRounds(args.checkout, args.deps))
+        peer = FLbenchRounds(args.checkout, args.deps, describe_work(args.rounds, lr_decay=1.0),
+                             build_model("fedavg_cnn", FederatedDataModule(**SETTING).spec))
+        clock = _PairedRounds(peer)
         with open(os.devnull, "w") as quiet, contextlib.redirect_stdout(quiet):
             bare_fit(args.rounds, clock, lr_decay=1.0, eval_local_models=False)
         project += clock.project[1:]
