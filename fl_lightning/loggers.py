@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from fl_lightning import compat
 from fl_lightning.config_files import run_name_from_configs
+from fl_lightning.outcome import uninterrupted
 from fl_lightning.wandb_online import wandb_logged_in
 
 
@@ -150,10 +151,11 @@ class FLWandbLogger(WandbLogger):
             row = {k: v.result() if isinstance(v, Future) else v for k, v in row.items()}
             step = row.get("round")
             run = self.started_run()
-            if step is None:
-                run.log(row)
-            elif int(step) >= max(self.first_step, getattr(run, "step", 0) or 0):
-                run.log(row, step=int(step))
+            with uninterrupted():
+                if step is None:
+                    run.log(row)
+                elif int(step) >= max(self.first_step, getattr(run, "step", 0) or 0):
+                    run.log(row, step=int(step))
 
     def finalize(self, status: str) -> None:
         if status != "success" and self._start_failed():
@@ -275,7 +277,8 @@ def update_wandb_summary(loggers, summary: Mapping[str, Any]) -> None:
     values = {k: v for k, v in summary.items() if k != "last" and v is not None}
     for logger in loggers:
         if isinstance(logger, WandbLogger):
-            logger.experiment.summary.update(values)
+            with uninterrupted():
+                logger.experiment.summary.update(values)
 
 
 # How the command was run (which checkpoint, replace the directory, unpickling, validate/test's

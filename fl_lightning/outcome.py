@@ -17,6 +17,7 @@ section documents them:
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from enum import StrEnum
 from pathlib import Path
 
@@ -74,6 +75,37 @@ class FLInterrupted(BaseException):
 
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+
+
+# A signal that arrived inside `uninterrupted` (it ends the run when the block is done), and how
+# many such blocks are open.
+_deferred_signals: list[int] = []
+_uninterrupted_depth = 0
+
+
+@contextmanager
+def uninterrupted():
+    """A block that a signal must not cut short: W&B's calls wait on its service and its own
+    thread, and an exception raised in the middle of one leaves them waiting for each other (its
+    teardown then never returns). A SIGTERM or SIGINT that arrives inside ends the run as soon as
+    the block is done (`interrupt`)."""
+    global _uninterrupted_depth
+    _uninterrupted_depth += 1
+    try:
+        yield
+    finally:
+        _uninterrupted_depth -= 1
+    if _uninterrupted_depth == 0 and _deferred_signals:
+        raise FLInterrupted(_deferred_signals.pop())
+
+
+def interrupt(signum: int) -> None:
+    """A signal ends the run: FLInterrupted now, or at the end of the `uninterrupted` block it
+    arrived in."""
+    if _uninterrupted_depth:
+        _deferred_signals.append(signum)
+        return
+    raise FLInterrupted(signum)
 
 
 class FLLostProcess(RuntimeError):

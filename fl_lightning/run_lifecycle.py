@@ -2,8 +2,9 @@
 `error:` line, whatever ended it (outcome.py lists the codes).
 
 - Signals: SIGTERM and SIGINT raise FLInterrupted in the main thread (the current round is
-  abandoned, the last completed round's checkpoint kept); a second signal while the first is
-  handled, or one after the run's end, changes nothing.
+  abandoned, the last completed round's checkpoint kept), after the W&B call they may arrive in
+  (`outcome.uninterrupted`); a second signal while the first is handled, or one after the run's
+  end, changes nothing.
 - Errors: `one_line_error` turns an error the user or the environment caused (bad input, a lost
   process, a disk that refuses writes) into its line and exit code; anything else is a bug and
   keeps its traceback.
@@ -43,6 +44,7 @@ from fl_lightning.outcome import (
     FLInterrupted,
     describe_refusal,
     disk_refused,
+    interrupt,
     lost_peer,
 )
 from fl_lightning.parallel import lost_processes, reported_elsewhere
@@ -156,7 +158,7 @@ def _raise_interrupted(signum, frame) -> None:
     # then INT) must not cut the clean-up short: they are ignored from here on
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, signal.SIG_IGN)
-    raise FLInterrupted(signum)
+    interrupt(signum)
 
 
 def _lost_on_rank_0(reported: tuple[str, int]) -> tuple[str | None, int]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from fl_lightning import compat
 from fl_lightning.loggers import FLWandbLogger, describe_wandb_run, offline_records, wait_for_wandb_starts
-from fl_lightning.outcome import DISK_ERRNOS
+from fl_lightning.outcome import DISK_ERRNOS, uninterrupted
 
 __all__ = ["configure_wandb_logger", "continue_fit_wandb_run", "describe_wandb_run", "finish_wandb",
            "fit_wandb_run_id", "log_as_checkpoint_round", "logged_steps", "post_run_wandb_run", "sync_hint"]
@@ -155,7 +155,8 @@ def finish_wandb(exit_code: int) -> OSError | None:
                   # tests). After a refused finish it still stops W&B's service.
                   wandb.teardown):
         try:
-            close()
+            with uninterrupted():
+                close()
         except OSError as err:
             if err.errno not in DISK_ERRNOS:
                 raise

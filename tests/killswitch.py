@@ -125,3 +125,30 @@ class DiskFault(L.Callback):
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         if self.round and trainer.current_epoch + 1 == self.round and self.rank in (None, trainer.global_rank):
             self._break()
+
+
+class SignalInsideWandbLog(L.Callback):
+    """Sends `sig` to its own process from inside W&B's `Run.log` of round `round`'s row, then lets
+    the call go on; when that call returns, a file `wandb-log-<round>-done` appears in the run
+    directory (an exception raised in the middle of the call leaves it unwritten)."""
+
+    def __init__(self, round: int, sig: str = "SIGINT"):
+        self.round, self.sig, self.fired = round, getattr(signal, sig), False
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        from wandb.sdk.wandb_run import Run
+
+        real_log, switch, root = Run.log, self, trainer.default_root_dir
+
+        def log_with_a_signal(run, data, *args, step=None, **kwargs):
+            if step != switch.round or switch.fired:
+                return real_log(run, data, *args, step=step, **kwargs)
+            switch.fired = True
+            os.kill(os.getpid(), switch.sig)
+            time.sleep(0.5)  # the handler runs in here, between two bytecodes, if it is not deferred
+            result = real_log(run, data, *args, step=step, **kwargs)
+            with open(os.path.join(root, f"wandb-log-{switch.round}-done"), "w"):
+                pass
+            return result
+
+        Run.log = log_with_a_signal

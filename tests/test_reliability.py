@@ -153,6 +153,20 @@ def test_sigterm_exits_non_zero_with_a_resumable_checkpoint(straight_runs, tmp_p
     assert json.loads((root / "summary.json").read_text())["finished"] is True
 
 
+def test_a_signal_inside_a_wandb_call_ends_the_run_when_the_call_is_done(tmp_path):
+    """SIGINT while W&B logs round 2's row: the call completes (an exception raised in the middle
+    of one leaves W&B's service and its thread waiting for each other, and the run's end then hangs
+    in W&B's teardown), then the run ends as interrupted: exit 130, one line, a resumable run."""
+    root = tmp_path / "run"
+    spec = {"class_path": "killswitch.SignalInsideWandbLog", "init_args": {"round": 2, "sig": "SIGINT"}}
+    code, err = finish(start("fedsol", root, f"--trainer.callbacks+={json.dumps(spec)}"), timeout=300)
+    assert code == 128 + signal.SIGINT, err[-2000:]
+    assert (root / "wandb-log-2-done").exists(), "W&B's call was cut short by the signal"
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "SIGINT" in lines[0] and "Traceback" not in err, err[-2000:]
+    assert completed_rounds(final_state(root)) >= 2
+
+
 def test_sigterm_from_outside_a_running_fit(tmp_path):
     """The signal a scheduler sends, at whatever moment it arrives."""
     root = tmp_path / "run"
