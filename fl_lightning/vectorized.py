@@ -49,6 +49,7 @@ from torch.func import functional_call, grad_and_value, vmap
 
 from fl_lightning import compat
 from fl_lightning.loss_scaling import scaler_of
+from fl_lightning.methods.base import PADDED_LABEL
 from fl_lightning.methods.local_step import per_step_listeners
 from fl_lightning.parallel import clients_in_parallel
 
@@ -186,7 +187,6 @@ class ClientResult:
     steps: int = 0
 
 
-IGNORED = -100  # F.cross_entropy's default ignore_index: a padded sample's label
 
 
 class ListedBatches:
@@ -251,7 +251,7 @@ def _padded(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Ten
     if all(len(y) == size for y in ys):
         return torch.stack(xs), torch.stack(ys)
     x = xs[0].new_zeros((len(ys), size, *xs[0].shape[1:]))
-    y = ys[0].new_full((len(ys), size), IGNORED)
+    y = ys[0].new_full((len(ys), size), PADDED_LABEL)
     for i, (xb, yb) in enumerate(zip(xs, ys, strict=True)):
         x[i, : len(yb)] = xb
         y[i, : len(yb)] = yb

@@ -257,3 +257,25 @@ def test_one_backward_pass_only_where_the_declaring_class_gives_the_loss():
     assert _one_backward(FedAvg(model="mlp", data_spec=spec))
     assert not _one_backward(FedProx(model="mlp", data_spec=spec))
     assert not _one_backward(OwnLoss(model="mlp", data_spec=spec))
+
+
+def test_fedsols_kl_over_a_padded_batch_is_the_kl_of_its_real_samples():
+    """FedSOL's batches are padded to one size like FedAvg's: its KL proximal term averages over
+    the real samples only, which is the unpadded batch's KL; a subclass with a proximal term of its
+    own is not padded (its term may average over the padding)."""
+    from fl_lightning.methods.fedsol.fedsol import kl_proximal_loss
+
+    g = torch.Generator().manual_seed(0)
+    logits, global_logits = torch.randn(5, 3, generator=g), torch.randn(5, 3, generator=g)
+    padded = torch.cat([logits, torch.zeros(2, 3)]), torch.cat([global_logits, torch.randn(2, 3, generator=g)])
+    valid = torch.tensor([True] * 5 + [False] * 2)
+    torch.testing.assert_close(kl_proximal_loss(*padded, 3.0, valid), kl_proximal_loss(logits, global_logits, 3.0))
+    assert not torch.allclose(kl_proximal_loss(*padded, 3.0), kl_proximal_loss(logits, global_logits, 3.0))
+
+    class OwnProximal(FedSOL):
+        def proximal_loss(self, x, features, logits, params):
+            return super().proximal_loss(x, features, logits, params) * 2
+
+    spec = fixed_parts_module(*toy_data(n=33, size=4, num_classes=3), PARTS, batch_size=4).spec
+    assert FedSOL(model="mlp", data_spec=spec).vectorized_padding
+    assert not OwnProximal(model="mlp", data_spec=spec).vectorized_padding

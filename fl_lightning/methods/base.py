@@ -106,6 +106,10 @@ def abstract_base(cls: type) -> type:
     return cls
 
 
+# the label of a sample the vectorised engine pads a batch with: F.cross_entropy's default ignore_index
+PADDED_LABEL = -100
+
+
 @dataclass(frozen=True)
 class LossContext:
     """What a method's `loss(model, batch, context)` may use besides the model and the batch.
@@ -237,8 +241,9 @@ class FederatedMethod(L.LightningModule):
     # as they keep the hooks the engine bypasses (vectorized.BYPASSED_HOOKS).
     vectorized: bool = False
     # True when the vectorised loss of a batch padded with ignored samples (zero images, label
-    # -100: F.cross_entropy's ignore_index) is the loss of the batch: a mean cross-entropy plus
-    # terms free of the batch. Clients whose batches differ in size then still step in one call.
+    # PADDED_LABEL: F.cross_entropy's ignore_index) is the loss of the batch: a mean cross-entropy
+    # plus terms free of the batch, or terms that leave the padded samples out. Clients whose
+    # batches differ in size then still step in one call.
     vectorized_padding: bool = False
     # True when the method's loss reads nothing of a parameter but its value (no `requires_grad`
     # test, no inner gradient): the engine may then differentiate the sum of the clients' vmapped

@@ -48,7 +48,7 @@ from torch.func import functional_call, grad_and_value
 
 from fl_lightning import compat, loss_scaling
 from fl_lightning.errors import FLUserError
-from fl_lightning.methods.base import abstract_base
+from fl_lightning.methods.base import PADDED_LABEL, abstract_base
 from fl_lightning.methods.shared_model import SharedModelMethod
 
 Scope = Literal["head", "body", "all"]
@@ -83,10 +83,16 @@ STRATEGIES = {
 }
 
 
-def kl_proximal_loss(logits: torch.Tensor, global_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """KL(softmax(z_g/T) || softmax(z/T)), batch mean over all classes, no T^2 factor."""
-    return F.kl_div(F.log_softmax(logits / temperature, dim=1), F.softmax(global_logits / temperature, dim=1),
-                    reduction="batchmean")
+def kl_proximal_loss(logits: torch.Tensor, global_logits: torch.Tensor, temperature: float,
+                     valid: torch.Tensor | None = None) -> torch.Tensor:
+    """KL(softmax(z_g/T) || softmax(z/T)), batch mean over all classes, no T^2 factor. With `valid`
+    (which of the batch's samples are real: the vectorised engine pads batches to one size), the
+    mean over the valid samples only."""
+    log_p, q = F.log_softmax(logits / temperature, dim=1), F.softmax(global_logits / temperature, dim=1)
+    if valid is None:
+        return F.kl_div(log_p, q, reduction="batchmean")
+    weights = valid.to(log_p.dtype)
+    return (F.kl_div(log_p, q, reduction="none").sum(dim=1) * weights).sum() / weights.sum()
 
 
 def l2_proximal_loss(params: Mapping[str, torch.Tensor], global_params: Mapping[str, torch.Tensor],
@@ -197,7 +203,7 @@ class ProximalMethod(SharedModelMethod):
             g = self.global_params()
             return l2_proximal_loss(params, g, self.hparams.mu)
         global_logits = self.step_cached("global_logits", lambda: self.global_model(x))
-        return kl_proximal_loss(logits, global_logits, self.hparams.temperature)
+        return kl_proximal_loss(logits, global_logits, self.hparams.temperature, self._step_cache.get("valid"))
 
     @property
     def proximal_vanishes_at_global(self) -> bool:
@@ -304,6 +310,13 @@ class FedSOL(ProximalMethod):
         return self.scoped_names(self.hparams.perturb)
 
     # ---- the vectorised engine (vectorized.py) ------------------------------------------------
+    @property
+    def vectorized_padding(self) -> bool:
+        """The engine may pad batches (`FederatedMethod.vectorized_padding`): the cross-entropy
+        ignores padded labels, the KL term leaves the padded samples out (`vectorized_loss` marks
+        them) and the L2 term is free of the batch. A subclass's own proximal term may not."""
+        return type(self).proximal_loss is FedSOL.proximal_loss
+
     def vectorized_refusal(self) -> str | None:
         if self.hparams.strategy not in ("A0", "A1"):
             return f"strategy {self.hparams.strategy} (A0 and A1 run vectorised)"
@@ -316,7 +329,7 @@ class FedSOL(ProximalMethod):
         differentiates. g_p rides along in the logs for the logged cosine (`vectorized_logs`)."""
         x, y = batch
         h = self.hparams
-        self._step_cache = {}
+        self._step_cache = {"valid": y != PADDED_LABEL}  # the samples of a batch the engine padded to size
         if h.strategy == "A0" or (step == 0 and self.proximal_vanishes_at_global):  # `minibatch_step`'s plain step
             loss = F.cross_entropy(model(x), y)
             return loss, {"train/loss": loss}
