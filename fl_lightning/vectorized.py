@@ -37,6 +37,7 @@ per-step hooks.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -187,55 +188,52 @@ class ClientResult:
     steps: int = 0
 
 
+class _GroupBatches:
+    """A group's mini-batches, one list per client in step order: `per_client[i][t]` is client i's
+    batch at local step t (in the form of the subclass)."""
 
-
-class ListedBatches:
-    """The group's mini-batches as lists of (x, y), client by client: `batches[i][t]` is client
-    i's batch at local step t."""
-
-    def __init__(self, batches: list[list[tuple[torch.Tensor, torch.Tensor]]]):
-        self.batches = batches
+    def __init__(self, per_client: list[list]):
+        self.per_client = per_client
 
     def __len__(self) -> int:
-        return len(self.batches)
+        return len(self.per_client)
 
-    def reordered(self, order: list[int]) -> ListedBatches:
-        return ListedBatches([self.batches[i] for i in order])
-
-    def steps(self, i: int) -> int:
-        return len(self.batches[i])
-
-    def size(self, i: int, step: int) -> int:
-        return len(self.batches[i][step][1])
-
-    def stacked(self, rows: list[int], step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return _padded([self.batches[i][step] for i in rows])
-
-
-class IndexedBatches:
-    """The group's mini-batches made from the clients' sample indices (`ClientWork.batches`) by
-    the data module, one step at a time: the rows of a step are one gather and one conversion of
-    their samples (`FederatedDataModule.samples`), where a client's own batches would each be
-    converted and then copied into the stack. Used where the data module makes batches from
-    indices; `ListedBatches` otherwise (augmented or decoded data)."""
-
-    def __init__(self, indices: list[list], samples, convert):
-        self.indices, self.samples, self.convert = indices, samples, convert
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def reordered(self, order: list[int]) -> IndexedBatches:
-        return IndexedBatches([self.indices[i] for i in order], self.samples, self.convert)
+    def reordered(self, order: list[int]):
+        """The same batches with the clients in `order`."""
+        moved = copy.copy(self)
+        moved.per_client = [self.per_client[i] for i in order]
+        return moved
 
     def steps(self, i: int) -> int:
-        return len(self.indices[i])
+        return len(self.per_client[i])
+
+
+class ListedBatches(_GroupBatches):
+    """The group's mini-batches as (x, y) tensors, client by client."""
 
     def size(self, i: int, step: int) -> int:
-        return len(self.indices[i][step])
+        return len(self.per_client[i][step][1])
 
     def stacked(self, rows: list[int], step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        chosen = [self.indices[i][step] for i in rows]
+        return _padded([self.per_client[i][step] for i in rows])
+
+
+class IndexedBatches(_GroupBatches):
+    """The group's mini-batches as the clients' sample indices (`ClientWork.batches`), made by the
+    data module one step at a time: the rows of a step are one gather and one conversion of their
+    samples (`FederatedDataModule.samples`), where a client's own batches would each be converted
+    and then copied into the stack. Used where the data module makes batches from indices;
+    `ListedBatches` otherwise (augmented or decoded data)."""
+
+    def __init__(self, per_client: list[list[np.ndarray]], samples, convert):
+        super().__init__(per_client)
+        self.samples, self.convert = samples, convert
+
+    def size(self, i: int, step: int) -> int:
+        return len(self.per_client[i][step])
+
+    def stacked(self, rows: list[int], step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        chosen = [self.per_client[i][step] for i in rows]
         x, y = self.convert(self.samples(np.concatenate(chosen)))
         sizes = [len(c) for c in chosen]
         if len(set(sizes)) == 1:  # one shape: the stack is a view of the gathered samples
@@ -282,14 +280,19 @@ class _Stacks:
         self.buffers = {n: torch.zeros_like(p) for n, p in self.params.items()} if momentum != 0 else None
         self.laid_out = False  # whether the stacks took their gradients' memory order (_take_layouts)
 
+    def _rows(self, count: int):
+        """Views of the first `count` rows of the stacked parameters and momentum buffers."""
+        params = {n: p[:count] for n, p in self.params.items()}
+        buffers = None if self.buffers is None else {n: b[:count] for n, b in self.buffers.items()}
+        return params, buffers
+
     def step(self, rows: list[int], step_fn, x, y, settings: tuple[float, float, float]) -> dict[str, torch.Tensor]:
         """One local step of the clients `rows` on (x, y); returns the step's logs."""
         if rows == list(range(len(rows))):
-            params = {n: p[: len(rows)] for n, p in self.params.items()}
-            buffers = None if self.buffers is None else {n: b[: len(rows)] for n, b in self.buffers.items()}
+            params, buffers = self._rows(len(rows))
             grads, logs = step_fn(params, x, y)
-            if not self.laid_out and self._take_layouts(grads):  # at the first step: the views anew
-                return self._update(rows, grads, settings, logs)
+            if not self.laid_out and self._take_layouts(grads):  # at the first step
+                params, buffers = self._rows(len(rows))  # the moved stacks' rows
             sgd_update(params, grads, buffers, *settings)
             return logs
         index = torch.as_tensor(rows, device=x.device)
@@ -301,12 +304,6 @@ class _Stacks:
             self.params[n].index_copy_(0, index, p)
             if buffers is not None:
                 self.buffers[n].index_copy_(0, index, buffers[n])
-        return logs
-
-    def _update(self, rows: list[int], grads, settings, logs):
-        params = {n: p[: len(rows)] for n, p in self.params.items()}
-        buffers = None if self.buffers is None else {n: b[: len(rows)] for n, b in self.buffers.items()}
-        sgd_update(params, grads, buffers, *settings)
         return logs
 
     def _take_layouts(self, grads: dict[str, torch.Tensor]) -> bool:
@@ -331,8 +328,6 @@ def train_together(method, batches: ListedBatches | IndexedBatches) -> list[Clie
     """Every client's local training from the round-start global weights, as one vectorised step
     per local step (or a few, where batch sizes differ and the method cannot pad them)."""
     lr, momentum, weight_decay = _optimizer_settings(method)
-    if isinstance(batches, list):
-        batches = ListedBatches(batches)
     count = len(batches)
     order = sorted(range(count), key=lambda i: -batches.steps(i))  # active clients: a prefix
     batches = batches.reordered(order)
