@@ -103,10 +103,7 @@ class FLWandbLogger(WandbLogger):
 
     def _start_failed(self) -> bool:
         """The W&B run's start (waited for) raised an error."""
-        if self._starting is None:
-            return False
-        wait([self._starting])
-        return self._starting.exception() is not None
+        return self._starting is not None and self._starting.exception() is not None
 
     def __getstate__(self):
         if self._starting is not None:
