@@ -47,6 +47,7 @@ from fl_lightning.atomic import atomic_write_bytes
 from fl_lightning.errors import FLUserError
 from fl_lightning.federation import LOCAL_CLASS_ACC, federation_before, federation_of
 from fl_lightning.loggers import FLWandbLogger
+from fl_lightning.outcome import uninterrupted
 from fl_lightning.progress import StageBars, close_bars
 from fl_lightning.round_metrics import log_round_metrics
 
@@ -509,7 +510,8 @@ class AnalysisCallback(L.Callback):
             if isinstance(logger, FLWandbLogger):
                 logger.add_to_round(payload)  # in the round's one history row
             else:
-                logger.experiment.log(payload)
+                with uninterrupted():  # a signal ends the run after W&B's call (outcome.uninterrupted)
+                    logger.experiment.log(payload)
 
     def _once(self, message: str) -> None:
         if message not in self._said:
